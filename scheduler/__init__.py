@@ -1,0 +1,1 @@
+"""Scheduler service: the global waiting queue, worker accounting and dispatch."""

@@ -1,0 +1,134 @@
+"""The continuous-batching engine on the real default model, in-process."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.protocol import SamplingParams
+from common.settings import Settings
+from worker.detokenizer import Detokenizer
+from worker.engine import Engine, PromptTooLong
+from worker.model import LoadedModel, load_model
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+PROMPTS = {
+    "a": "The quick brown",
+    "b": "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "c": "Paris is",
+}
+
+
+@pytest.fixture(scope="module")
+def loaded() -> LoadedModel:
+    return load_model(Settings(worker_threads=1))
+
+
+def run(engine: Engine, arrivals: dict[int, list[tuple[str, SamplingParams]]]) -> dict[str, list[int]]:
+    """Step the engine, adding each (prompt key, params) at its step; returns each request's tokens."""
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_work() or any(s >= step for s in arrivals):
+        for key, params in arrivals.get(step, []):
+            engine.add(key, engine.loaded.tokenizer(PROMPTS[key])["input_ids"], params)
+        for out in engine.step():
+            tokens.setdefault(out.sequence.request_id, []).append(out.sequence.output_ids[out.index])
+        step += 1
+    return tokens
+
+
+def solo(loaded: LoadedModel, key: str, params: SamplingParams = GREEDY) -> list[int]:
+    return run(Engine(loaded, 16), {0: [(key, params)]})[key]
+
+
+def test_joining_and_leaving_does_not_change_a_greedy_completion(loaded: LoadedModel) -> None:
+    short = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    mixed = run(Engine(loaded, 16), {0: [("a", GREEDY)], 3: [("b", GREEDY), ("c", short)]})
+    assert mixed["a"] == solo(loaded, "a")
+    assert mixed["b"] == solo(loaded, "b")
+    assert mixed["c"] == solo(loaded, "c")[:3]
+
+
+def test_a_newcomer_joins_the_running_batch_and_a_finished_one_leaves_at_once(loaded: LoadedModel) -> None:
+    engine = Engine(loaded, 16)
+    tokenizer = loaded.tokenizer
+    engine.add("a", tokenizer(PROMPTS["a"])["input_ids"], GREEDY)
+    engine.step()
+    engine.step()
+    engine.add("c", tokenizer(PROMPTS["c"])["input_ids"], SamplingParams(max_tokens=2, temperature=0))
+    first = engine.step()  # the newcomer's prefill: "a" waits one forward, nothing restarts
+    assert [o.sequence.request_id for o in first] == ["c"]
+    assert [s.request_id for s in engine.running] == ["a", "c"]
+    second = engine.step()  # one decode for both rows
+    assert sorted(o.sequence.request_id for o in second) == ["a", "c"]
+    assert [s.request_id for s in engine.running] == ["a"]
+    assert engine.batch.mask.shape[0] == 1
+
+
+def test_a_long_sequence_leaving_trims_the_padding(loaded: LoadedModel) -> None:
+    engine = Engine(loaded, 16)
+    tokenizer = loaded.tokenizer
+    engine.add("b", tokenizer(PROMPTS["b"])["input_ids"], SamplingParams(max_tokens=2, temperature=0))
+    engine.add("a", tokenizer(PROMPTS["a"])["input_ids"], GREEDY)
+    while "b" in [s.request_id for s in engine.running] or engine.waiting:
+        engine.step()
+    a = engine.running[0]
+    assert engine.batch.mask.shape[1] == len(a.prompt_ids) + len(a.output_ids) - 1
+    assert bool(engine.batch.mask.all())
+
+
+def test_cancel_removes_a_sequence_between_steps(loaded: LoadedModel) -> None:
+    engine = Engine(loaded, 16)
+    for key in ("a", "c"):
+        engine.add(key, loaded.tokenizer(PROMPTS[key])["input_ids"], GREEDY)
+    engine.step()
+    assert engine.cancel("c")
+    assert not engine.cancel("c")
+    rest = [out.sequence.output_ids[out.index] for _ in range(15) for out in engine.step()]
+    assert [s.request_id for s in engine.running] == []
+    assert rest == solo(loaded, "a")[1:]
+
+
+def test_slots_bound_the_running_batch(loaded: LoadedModel) -> None:
+    engine = Engine(loaded, 2)
+    for key in ("a", "b", "c"):
+        engine.add(key, loaded.tokenizer(PROMPTS[key])["input_ids"], GREEDY)
+    engine.step()
+    assert len(engine.running) == 2
+    assert len(engine.waiting) == 1
+
+
+def test_seeded_sampling_repeats_and_does_not_depend_on_batch_mates(loaded: LoadedModel) -> None:
+    seeded = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=40, seed=1234)
+    alone = solo(loaded, "a", seeded)
+    assert alone == solo(loaded, "a", seeded)
+    mixed = run(Engine(loaded, 16), {0: [("b", seeded)], 1: [("a", seeded), ("c", SamplingParams(seed=5))]})
+    assert mixed["a"] == alone
+
+
+def test_finish_reasons(loaded: LoadedModel) -> None:
+    engine = Engine(loaded, 4)
+    chat = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}],
+                                                add_generation_prompt=True, tokenize=True,
+                                                return_dict=True)["input_ids"]
+    engine.add("chat", list(chat), SamplingParams(max_tokens=200, temperature=0))
+    engine.add("short", loaded.tokenizer("Hello")["input_ids"], SamplingParams(max_tokens=2, temperature=0))
+    reasons = {}
+    while engine.has_work():
+        reasons.update({o.sequence.request_id: o.finish_reason for o in engine.step() if o.finish_reason})
+    assert reasons == {"chat": "stop", "short": "length"}
+
+
+def test_a_prompt_longer_than_the_context_is_refused(loaded: LoadedModel) -> None:
+    with pytest.raises(PromptTooLong, match="context"):
+        Engine(loaded, 4).add("x", [1] * loaded.max_length, GREEDY)
+
+
+def test_detokenizer_never_emits_a_split_character(loaded: LoadedModel) -> None:
+    text = "Café 日本語 🎉🚀 naïve — ok"
+    ids = loaded.tokenizer(text)["input_ids"]
+    prompt = loaded.tokenizer("Say:")["input_ids"]
+    detokenizer = Detokenizer(loaded.tokenizer, prompt)
+    deltas = [detokenizer.push(i) for i in ids]
+    assert "".join(deltas) == loaded.tokenizer.decode(ids)
+    assert not any("\ufffd" in d for d in deltas)
+    assert "" in deltas  # some character did span several tokens

@@ -1,0 +1,65 @@
+import msgspec
+import pytest
+
+from common.protocol import (
+    Batch,
+    Cancel,
+    ChatMessage,
+    Done,
+    Error,
+    Finished,
+    Heartbeat,
+    InboxMessage,
+    ProtocolError,
+    RequestMessage,
+    Result,
+    SamplingParams,
+    Submit,
+    Token,
+    decode,
+    encode,
+)
+
+LIMIT = 1 << 16
+
+
+@pytest.mark.parametrize(("message", "kind"), [
+    (Submit("r1", SamplingParams(max_tokens=5, seed=7), prompt="héllo", submitted_at=1.5), RequestMessage),
+    (Submit("r2", SamplingParams(), messages=[ChatMessage("user", "hi")]), RequestMessage),
+    (Cancel("r1"), RequestMessage),
+    (Batch("b", [Submit("r1", SamplingParams(temperature=0.0), prompt="p")]), InboxMessage),
+    (Cancel("r1"), InboxMessage),
+    (Token(3, "日本"), Result),
+    (Done("length", 4, 20), Result),
+    (Error("context_length_exceeded", "too long"), Result),
+    (Finished("w1", "r1"), Finished),
+    (Heartbeat("w1", "m", 16, 2, 0, 9, 1.0), Heartbeat),
+])
+def test_every_message_survives_a_round_trip(message: msgspec.Struct, kind: type) -> None:
+    assert decode(encode(message, LIMIT), kind, LIMIT) == message
+
+
+def test_a_message_over_the_limit_is_refused_on_both_sides() -> None:
+    big = Submit("r", SamplingParams(), prompt="x" * 2000)
+    with pytest.raises(ProtocolError, match="over the 1000-byte limit"):
+        encode(big, 1000)
+    with pytest.raises(ProtocolError, match="over the 1000-byte limit"):
+        decode(encode(big, LIMIT), RequestMessage, 1000)
+
+
+@pytest.mark.parametrize("data", [
+    b"\xc1",                                                       # not msgpack at all
+    msgspec.msgpack.encode([1, 2, 3]),                             # not a map
+    msgspec.msgpack.encode({"type": "nope", "request_id": "r"}),   # unknown tag
+    msgspec.msgpack.encode({"type": "cancel"}),                    # missing field
+    msgspec.msgpack.encode({"type": "cancel", "request_id": 5}),   # wrong type
+    encode(Token(1, "x"), LIMIT),                                  # a valid message of another kind
+])
+def test_malformed_messages_raise_a_clear_protocol_error(data: bytes) -> None:
+    with pytest.raises(ProtocolError, match="malformed message"):
+        decode(data, RequestMessage, LIMIT)
+
+
+def test_wire_format_is_msgpack_with_a_type_tag() -> None:
+    raw = msgspec.msgpack.decode(encode(Token(2, "a"), LIMIT))
+    assert raw == {"type": "token", "index": 2, "text": "a"}

@@ -1,0 +1,1 @@
+"""Worker service: loads the model once and runs the continuous-batching engine."""

@@ -1,0 +1,212 @@
+"""Iteration-level continuous batching over a Hugging Face causal LM.
+
+All running sequences share one left-padded batch whose KV cache lives across
+steps: a step feeds each sequence only its newest token. Newcomers are
+prefilled together, then their cache is padded and concatenated onto the
+running one; finished sequences are index-selected out at once. Explicit
+position ids (`cumsum(mask) - 1`) keep every row's positions independent of
+its padding, so a greedy completion does not depend on its batch-mates.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from common.protocol import SamplingParams
+from worker.detokenizer import Detokenizer
+from worker.model import LoadedModel
+from worker.sampling import new_generator, sample
+
+
+class PromptTooLong(ValueError):
+    pass
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    detokenizer: Detokenizer
+    generator: torch.Generator | None
+    output_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StepOutput:
+    sequence: Sequence
+    index: int
+    text: str
+    finish_reason: str | None
+
+
+@dataclass
+class _Batch:
+    """Row i of every tensor belongs to `sequences[i]`; `positions` is where each
+    row's `last_tokens` entry sits, and it is not yet in the cache."""
+
+    sequences: list[Sequence]
+    cache: DynamicCache
+    mask: torch.Tensor
+    last_tokens: torch.Tensor
+    positions: torch.Tensor
+
+    def select(self, rows: list[int]) -> None:
+        index = torch.tensor(rows, device=self.mask.device)
+        self.sequences = [self.sequences[r] for r in rows]
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys[index], layer.values[index]
+        self.mask, self.last_tokens, self.positions = self.mask[index], self.last_tokens[index], self.positions[index]
+        self._trim_padding()
+
+    def _trim_padding(self) -> None:
+        """Drop leading columns that are padding in every row (left by a long sequence that has left)."""
+        used = self.mask.any(dim=0).nonzero()
+        start = int(used[0]) if len(used) else self.mask.shape[1]
+        if start:
+            self.mask = self.mask[:, start:]
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, start:], layer.values[:, :, start:]
+
+    def extend(self, other: _Batch) -> None:
+        width = max(self.mask.shape[1], other.mask.shape[1])
+        self.sequences += other.sequences
+        self.mask = torch.cat([_pad_left(self.mask, width), _pad_left(other.mask, width)])
+        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
+            mine.keys = torch.cat([_pad_left(mine.keys, width, dim=2), _pad_left(theirs.keys, width, dim=2)])
+            mine.values = torch.cat([_pad_left(mine.values, width, dim=2), _pad_left(theirs.values, width, dim=2)])
+        self.last_tokens = torch.cat([self.last_tokens, other.last_tokens])
+        self.positions = torch.cat([self.positions, other.positions])
+
+
+def _pad_left(tensor: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
+    missing = width - tensor.shape[dim]
+    if missing == 0:
+        return tensor
+    pad = [0, 0] * (tensor.dim() - dim - 1) + [missing, 0]
+    return F.pad(tensor, pad)
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, slots: int) -> None:
+        self.loaded = loaded
+        self.slots = slots
+        self.waiting: deque[Sequence] = deque()
+        self.batch: _Batch | None = None
+        self._prefilled_last = False
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.batch.sequences if self.batch else []
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        if len(prompt_ids) >= self.loaded.max_length:
+            raise PromptTooLong(f"the prompt has {len(prompt_ids)} tokens; the model's context is "
+                                f"{self.loaded.max_length} tokens, prompt and completion together")
+        if not prompt_ids:
+            raise PromptTooLong("the prompt is empty after tokenisation")
+        sequence = Sequence(request_id, prompt_ids, params, Detokenizer(self.loaded.tokenizer, prompt_ids),
+                            new_generator(params, self.loaded.device))
+        self.waiting.append(sequence)
+        return sequence
+
+    def cancel(self, request_id: str) -> bool:
+        for sequence in self.waiting:
+            if sequence.request_id == request_id:
+                self.waiting.remove(sequence)
+                return True
+        rows = [i for i, s in enumerate(self.running) if s.request_id != request_id]
+        if self.batch and len(rows) < len(self.batch.sequences):
+            self._keep(rows)
+            return True
+        return False
+
+    def abort_all(self) -> list[Sequence]:
+        """Forget every sequence (after a failed step); returns them so that their clients can be told."""
+        dropped = list(self.waiting) + self.running
+        self.waiting.clear()
+        self.batch = None
+        return dropped
+
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        """One forward: a prefill of the newcomers that fit, else a decode of the running batch.
+        A prefill is always followed by a decode, so a stream of arrivals cannot stall running work."""
+        room = self.slots - len(self.running)
+        if self.waiting and room > 0 and not (self._prefilled_last and self.running):
+            joiners = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
+            self._prefilled_last = True
+            return self._prefill(joiners)
+        self._prefilled_last = False
+        return self._decode() if self.batch else []
+
+    def _prefill(self, joiners: list[Sequence]) -> list[StepOutput]:
+        device = self.loaded.device
+        width = max(len(s.prompt_ids) for s in joiners)
+        pad_id = self.loaded.eos_token_ids[0]
+        ids = torch.tensor([[pad_id] * (width - len(s.prompt_ids)) + s.prompt_ids for s in joiners], device=device)
+        mask = torch.tensor([[0] * (width - len(s.prompt_ids)) + [1] * len(s.prompt_ids) for s in joiners],
+                            device=device)
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.loaded.model.config)
+        logits = self.loaded.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+                                   use_cache=True, logits_to_keep=1).logits[:, -1]
+        lengths = torch.tensor([len(s.prompt_ids) for s in joiners], device=device)
+        new = _Batch(joiners, cache, mask, torch.zeros_like(lengths), lengths)
+        if self.batch is None:
+            self.batch = new
+        else:
+            self.batch.extend(new)
+        return self._advance(logits, first_row=len(self.batch.sequences) - len(joiners))
+
+    def _decode(self) -> list[StepOutput]:
+        batch = self.batch
+        batch.mask = F.pad(batch.mask, [0, 1], value=1)
+        logits = self.loaded.model(input_ids=batch.last_tokens.unsqueeze(1), attention_mask=batch.mask,
+                                   position_ids=batch.positions.unsqueeze(1), cache=batch.cache,
+                                   use_cache=True).logits[:, -1]
+        batch.positions = batch.positions + 1
+        return self._advance(logits, first_row=0)
+
+    def _advance(self, logits: torch.Tensor, first_row: int) -> list[StepOutput]:
+        """Sample the next token of rows first_row.. (those `logits` belong to) and retire finished rows."""
+        batch = self.batch
+        sequences = batch.sequences[first_row:]
+        eos = self.loaded.eos_token_ids
+        banned = [eos if s.params.ignore_eos or len(s.output_ids) < s.params.min_tokens else [] for s in sequences]
+        tokens = sample(logits, [s.params for s in sequences], [s.generator for s in sequences], banned)
+        batch.last_tokens[first_row:] = torch.tensor(tokens, device=batch.last_tokens.device)
+        outputs, keep = [], list(range(first_row))
+        for row, (sequence, token) in enumerate(zip(sequences, tokens, strict=True), start=first_row):
+            sequence.output_ids.append(token)
+            reason = self._finish_reason(sequence, token)
+            text = "" if reason == "stop" else sequence.detokenizer.push(token)
+            outputs.append(StepOutput(sequence, len(sequence.output_ids) - 1, text, reason))
+            if reason is None:
+                keep.append(row)
+        if len(keep) < len(batch.sequences):
+            self._keep(keep)
+        return outputs
+
+    def _finish_reason(self, sequence: Sequence, token: int) -> str | None:
+        if token in self.loaded.eos_token_ids and not sequence.params.ignore_eos:
+            return "stop"
+        if len(sequence.output_ids) >= sequence.params.max_tokens:
+            return "length"
+        if len(sequence.prompt_ids) + len(sequence.output_ids) >= self.loaded.max_length:
+            return "length"
+        return None
+
+    def _keep(self, rows: list[int]) -> None:
+        if rows:
+            self.batch.select(rows)
+        else:
+            self.batch = None

