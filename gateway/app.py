@@ -33,4 +33,4 @@ def main() -> None:
     settings = Settings.from_env()
     setup_logging("gateway", settings.log_level)
     uvicorn.run(create_app(settings), host=settings.gateway_host, port=settings.gateway_port,
-                log_config=None, access_log=False)
+                log_config=None, access_log=False, timeout_graceful_shutdown=5)

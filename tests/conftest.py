@@ -4,10 +4,6 @@ separate processes, the real default model."""
 from __future__ import annotations
 
 import os
-import shutil
-import socket
-import subprocess
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -16,43 +12,18 @@ import pytest
 import redis
 
 from common.protocol import Keys
-from llmserve.launcher import Stack
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_for(condition, timeout: float, what: str, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+from llmserve.launcher import Stack, free_port, start_redis
+from llmserve.launcher import wait_until as wait_for
 
 
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
-    port = free_port()
-    server = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(port),
-                               "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                              stdout=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    wait_for(lambda: _pings(url), 10, "redis-server")
+    """A private redis-server on a free port (never the machine's own on 6379)."""
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    server = start_redis(url)
     yield url
     server.terminate()
     server.wait()
-
-
-def _pings(url: str) -> bool:
-    try:
-        return bool(redis.Redis.from_url(url).ping())
-    except redis.ConnectionError:
-        return False
 
 
 @dataclass
