@@ -27,6 +27,11 @@ class SamplingParams(msgspec.Struct, frozen=True):
     seed: int | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # None: no log-probabilities; n >= 0: the chosen token's and the n most likely alternatives.
+    logprobs: int | None = None
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
@@ -42,6 +47,8 @@ class Submit(msgspec.Struct, tag="submit"):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     submitted_at: float = 0.0
+    # Epoch seconds after which a request still waiting in the queue is dropped (0: never).
+    deadline: float = 0.0
 
 
 class Cancel(msgspec.Struct, tag="cancel"):
@@ -55,16 +62,23 @@ class Batch(msgspec.Struct, tag="batch"):
     sequences: list[Submit]
 
 
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    token: str
+    logprob: float
+
+
 class Token(msgspec.Struct, tag="token"):
-    """The text that token `index` of the completion added (may be empty while a
-    multi-byte character is still incomplete)."""
+    """The text that token `index` of the completion added (empty while a multi-byte
+    character is incomplete or while text might be the start of a stop string)."""
 
     index: int
     text: str
+    logprob: TokenLogprob | None = None
+    top_logprobs: list[TokenLogprob] | None = None
 
 
 class Done(msgspec.Struct, tag="done"):
-    finish_reason: Literal["stop", "length", "cancelled"]
+    finish_reason: Literal["stop", "length"]
     prompt_tokens: int
     completion_tokens: int
 
@@ -84,6 +98,7 @@ class Finished(msgspec.Struct, tag="finished"):
 class Heartbeat(msgspec.Struct, tag="heartbeat"):
     worker_id: str
     model: str
+    context: int
     slots: int
     running: int
     waiting: int
@@ -149,6 +164,11 @@ class Keys:
 
     def results(self, request_id: str) -> str:
         return f"{self.ns}:out:{request_id}"
+
+    @property
+    def queued(self) -> str:
+        """Counter of requests accepted but not yet dispatched, for admission control."""
+        return f"{self.ns}:queued"
 
 
 SCHEDULER_GROUP = "scheduler"

@@ -23,6 +23,9 @@ class Settings:
     heartbeat_interval: float = 1.0
     worker_ttl: float = 5.0
     max_message_bytes: int = 1 << 20
+    max_queue: int = 1024
+    queue_timeout: float = 600.0
+    api_keys: str = ""
     log_level: str = "INFO"
 
     @classmethod

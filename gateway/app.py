@@ -10,9 +10,9 @@ from fastapi import FastAPI
 
 from common.logs import setup_logging
 from common.settings import Settings
-from gateway import errors
+from gateway import errors, openai_api, routes
 from gateway.bus import Bus
-from gateway.routes import router
+from gateway.middleware import Guard
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -23,9 +23,13 @@ def create_app(settings: Settings) -> FastAPI:
         yield
         await app.state.bus.stop()
 
-    app = FastAPI(title="llmserve", lifespan=lifespan)
+    app = FastAPI(title="llmserve", lifespan=lifespan,
+                  description="LLM serving over a Redis message bus: the seed's routes and an OpenAI-compatible API.")
     errors.install(app)
-    app.include_router(router)
+    app.include_router(routes.router)
+    app.include_router(openai_api.router)
+    keys = [key.strip() for key in settings.api_keys.split(",") if key.strip()]
+    app.add_middleware(Guard, api_keys=keys, max_body=settings.max_message_bytes)
     return app
 
 

@@ -5,15 +5,14 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-
-# What a worker's error code means for a client that waits for the whole answer.
-STATUS_OF_CODE = {"context_length_exceeded": 400, "worker_lost": 503, "engine_error": 500}
+from starlette.exceptions import HTTPException
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, code: str, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
+        self.status, self.message, self.code, self.param, self.headers = status, message, code, param, headers
 
     def body(self) -> dict[str, dict[str, str | None]]:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
@@ -21,7 +20,7 @@ class ApiError(Exception):
 
 
 def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -34,6 +33,14 @@ def _validation_error(_request: Request, exc: RequestValidationError) -> JSONRes
     return JSONResponse(ApiError(400, message, first.get("type", "invalid"), param).body(), status_code=400)
 
 
+def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
+    """Starlette's own refusals (unknown route, wrong method, a body it cannot parse) in the same shape."""
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
+    error = ApiError(exc.status_code, str(exc.detail), code, headers=exc.headers)
+    return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+
+
 def install(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)

@@ -1,6 +1,6 @@
-"""Per-request delivery: one shared pub/sub connection per gateway process, a
-queue per request_id (its mailbox), and a pump task that routes each published
-result to its mailbox."""
+"""Per-request delivery: one shared pub/sub connection per gateway process, one
+mailbox per HTTP request (shared by its n choices), and a pump task that routes
+each published result to its mailbox tagged with the choice it belongs to."""
 
 from __future__ import annotations
 
@@ -17,13 +17,15 @@ from common.protocol import Keys, ProtocolError, Result, decode
 
 log = logging.getLogger("gateway")
 
+Mailbox = asyncio.Queue[tuple[int, Result]]
+
 
 class ResultRouter:
     def __init__(self, client: aioredis.Redis, keys: Keys, limit: int) -> None:
         self.keys = keys
         self.limit = limit
         self.pubsub = client.pubsub()
-        self.mailboxes: dict[bytes, asyncio.Queue[Result]] = {}
+        self.routes: dict[bytes, tuple[Mailbox, int]] = {}
         self.confirmations: dict[bytes, asyncio.Future[None]] = {}
         self.pump: asyncio.Task[None] | None = None
 
@@ -38,23 +40,26 @@ class ResultRouter:
         await self.pubsub.aclose()
 
     @asynccontextmanager
-    async def open(self, request_id: str) -> AsyncIterator[asyncio.Queue[Result]]:
-        """Subscribe to the request's channel and wait until Redis confirms it, so
+    async def open(self, request_ids: list[str]) -> AsyncIterator[Mailbox]:
+        """Subscribe to each request's channel and wait until Redis confirms them all, so
         that nothing published after this returns can be missed."""
-        channel = self.keys.results(request_id).encode()
-        mailbox: asyncio.Queue[Result] = asyncio.Queue()
-        confirmed = asyncio.get_running_loop().create_future()
-        self.mailboxes[channel] = mailbox
-        self.confirmations[channel] = confirmed
+        channels = [self.keys.results(rid).encode() for rid in request_ids]
+        mailbox: Mailbox = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        for choice, channel in enumerate(channels):
+            self.routes[channel] = (mailbox, choice)
+            self.confirmations[channel] = loop.create_future()
+        waits = [self.confirmations[c] for c in channels]
         try:
-            await self.pubsub.subscribe(channel)
-            await confirmed
+            await self.pubsub.subscribe(*channels)
+            await asyncio.gather(*waits)
             yield mailbox
         finally:
-            self.mailboxes.pop(channel, None)
-            self.confirmations.pop(channel, None)
+            for channel in channels:
+                self.routes.pop(channel, None)
+                self.confirmations.pop(channel, None)
             with anyio.CancelScope(shield=True):
-                await self.pubsub.unsubscribe(channel)
+                await self.pubsub.unsubscribe(*channels)
 
     async def _pump(self) -> None:
         while True:
@@ -70,10 +75,11 @@ class ResultRouter:
                 self._deliver(channel, message["data"])
 
     def _deliver(self, channel: bytes, data: bytes) -> None:
-        mailbox = self.mailboxes.get(channel)
-        if mailbox is None:
+        route = self.routes.get(channel)
+        if route is None:
             return
+        mailbox, choice = route
         try:
-            mailbox.put_nowait(decode(data, Result, self.limit))
+            mailbox.put_nowait((choice, decode(data, Result, self.limit)))
         except ProtocolError as exc:
             log.error("dropped a malformed result", extra={"channel": channel.decode(), "error": str(exc)})

@@ -1,83 +1,104 @@
-"""HTTP handlers: validate, give the request its request_id, stream or collect its results."""
+"""The seed's routes (`/generate`, `/generate_stream`) and `/health`."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from redis import RedisError
 
-from common.protocol import Done, Error, Submit, Token
+from common.protocol import Done, Result, Submit, Token
 from gateway.bus import Bus
-from gateway.errors import STATUS_OF_CODE, ApiError
+from gateway.errors import ApiError
 from gateway.schemas import GenerateRequest
+from gateway.streams import ClientGone, collect, start
 
 log = logging.getLogger("gateway")
 router = APIRouter()
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def _bus(request: Request) -> Bus:
+def bus_of(request: Request) -> Bus:
     return request.app.state.bus
 
 
-def _sse(data: dict[str, object], event: str | None = None, event_id: int | None = None) -> str:
+def sse(data: object, event: str | None = None, event_id: int | None = None) -> str:
     head = (f"event: {event}\n" if event else "") + (f"id: {event_id}\n" if event_id is not None else "")
-    return f"{head}data: {json.dumps(data, ensure_ascii=False)}\n\n"
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"{head}data: {payload}\n\n"
 
 
-async def _seed_events(bus: Bus, submit: Submit) -> AsyncIterator[str]:
+async def submits_for(bus: Bus, body: GenerateRequest) -> list[Submit]:
+    await check_max_tokens(bus, body.max_tokens)
+    submits = [body.submit(prompt=p, queue_timeout=bus.settings.queue_timeout) for p in body.prompt_list()]
+    for submit in submits:
+        log.info("received", extra={"request_id": submit.request_id})
+    return submits
+
+
+async def check_max_tokens(bus: Bus, max_tokens: int | None) -> None:
+    contexts = [w.context for w in await bus.live_workers()]
+    if max_tokens is not None and contexts and max_tokens >= min(contexts):
+        raise ApiError(400, f"max_tokens is {max_tokens}; the model's context is {min(contexts)} tokens, "
+                       "prompt and completion together", "invalid_value", "max_tokens")
+
+
+def done_fields(request_id: str, done: Done) -> dict[str, object]:
+    return {"sequence_id": request_id, "finish_reason": done.finish_reason, "prompt_tokens": done.prompt_tokens,
+            "completion_tokens": done.completion_tokens}
+
+
+async def _seed_events(stack: AsyncExitStack, submit: Submit, results: AsyncIterator[tuple[int, Result]]
+                       ) -> AsyncIterator[str]:
     rid = submit.request_id
-    async for result in bus.results(submit):
-        if isinstance(result, Token):
-            yield _sse({"token": result.text, "sequence_id": rid, "index": result.index}, event_id=result.index)
-        elif isinstance(result, Done):
-            log.info("delivered", extra={"request_id": rid, "finish_reason": result.finish_reason})
-            yield _sse({"sequence_id": rid, "finish_reason": result.finish_reason,
-                        "prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens})
-        else:
-            yield _sse({"sequence_id": rid, "error": {"message": result.message, "code": result.code}},
-                       event="error")
-
-
-async def _collect(bus: Bus, submit: Submit) -> dict[str, object]:
-    parts: list[str] = []
-    async for result in bus.results(submit):
-        if isinstance(result, Token):
-            parts.append(result.text)
-        elif isinstance(result, Error):
-            raise ApiError(STATUS_OF_CODE.get(result.code, 500), result.message, result.code)
-        else:
-            return {"sequence_id": submit.request_id, "text": "".join(parts), "finish_reason": result.finish_reason,
-                    "prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens}
-    raise ApiError(500, "the result stream ended without an answer", "incomplete")
+    async with stack:
+        async for _, result in results:
+            if isinstance(result, Token):
+                yield sse({"token": result.text, "sequence_id": rid, "index": result.index}, event_id=result.index)
+            elif isinstance(result, Done):
+                log.info("delivered", extra={"request_id": rid, "finish_reason": result.finish_reason})
+                yield sse(done_fields(rid, result))
+            else:
+                yield sse({"sequence_id": rid, "error": {"message": result.message, "code": result.code}},
+                          event="error")
 
 
 @router.post("/generate_stream", summary="Stream one completion as server-sent events")
-async def generate_stream(body: GenerateRequest, request: Request) -> StreamingResponse:
+async def generate_stream(body: GenerateRequest, request: Request) -> Response:
     if body.prompt is None:
         raise ApiError(400, "/generate_stream takes one 'prompt'", "invalid_value", "prompt")
-    submit = body.submits()[0]
-    log.info("received", extra={"request_id": submit.request_id, "route": "/generate_stream"})
-    return StreamingResponse(_seed_events(_bus(request), submit), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Request-Id": submit.request_id})
+    bus = bus_of(request)
+    submits = await submits_for(bus, body)
+    try:
+        stack, results = await start(bus, request, submits)
+    except ClientGone:
+        return Response(status_code=499)
+    return StreamingResponse(_seed_events(stack, submits[0], results), media_type="text/event-stream",
+                             headers={**SSE_HEADERS, "X-Request-Id": submits[0].request_id})
 
 
 @router.post("/generate", summary="Whole completions for one prompt or a list of prompts")
-async def generate(body: GenerateRequest, request: Request) -> JSONResponse:
-    submits = body.submits()
-    for submit in submits:
-        log.info("received", extra={"request_id": submit.request_id, "route": "/generate"})
-    results = await asyncio.gather(*(_collect(_bus(request), s) for s in submits))
-    return JSONResponse(results[0] if body.prompt is not None else {"results": results})
+async def generate(body: GenerateRequest, request: Request) -> Response:
+    bus = bus_of(request)
+    submits = await submits_for(bus, body)
+    try:
+        collected = await collect(bus, request, submits)
+    except ClientGone:
+        return Response(status_code=499)
+    answers = []
+    for submit, results in zip(submits, collected, strict=True):
+        text = "".join(r.text for r in results if isinstance(r, Token))
+        answers.append({**done_fields(submit.request_id, results[-1]), "text": text})
+    return JSONResponse(answers[0] if body.prompt is not None else {"results": answers})
 
 
 @router.get("/health", summary="Redis reachability and the number of live workers")
 async def health(request: Request) -> JSONResponse:
-    bus = _bus(request)
+    bus = bus_of(request)
     try:
         await bus.redis.ping()
         workers = await bus.live_workers()

@@ -1,36 +1,77 @@
-"""Request bodies of the seed-style routes and their translation into bus messages."""
+"""Request bodies and their translation into bus messages. The seed-style and the
+OpenAI routes share one set of sampling fields; only their defaults differ."""
 
 from __future__ import annotations
 
 import uuid
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from common.protocol import SamplingParams, Submit, now
+from common.protocol import ChatMessage, SamplingParams, Submit, now
+
+MAX_STOP_STRINGS = 4
+MAX_CHOICES = 16
+MAX_PROMPTS = 256
+# A chat request without a token limit runs until end-of-sequence or the model's context.
+UNTIL_CONTEXT_ENDS = 2**31 - 1
 
 
 class SamplingFields(BaseModel):
     """Sampling controls shared by every generation route (defaults as in the seed)."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    max_tokens: int = Field(20, ge=1, le=1_000_000, description="Most tokens to generate.")
+    max_tokens: int = Field(20, ge=1, description="Most tokens to generate; at most the model's context.")
     temperature: float = Field(0.7, ge=0.0, le=100.0, description="0 means greedy.")
     top_p: float = Field(0.95, gt=0.0, le=1.0)
-    top_k: int = Field(50, ge=-1, description="0 or -1 disables top-k.")
+    top_k: int = Field(50, ge=-1, description="0 or -1 turns top-k off.")
     seed: int | None = Field(None, ge=0, lt=2**63, description="Same seed, same text.")
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
     min_tokens: int = Field(0, ge=0, description="Suppress end-of-sequence before this many tokens.")
+    stop: str | list[str] | None = Field(None, description=f"Up to {MAX_STOP_STRINGS} strings that end the text; "
+                                         "the stop string itself is not returned.")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    timeout: float | None = Field(None, gt=0, description="Seconds the request may wait in the queue.")
 
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=max(self.top_k, 0), seed=self.seed, ignore_eos=self.ignore_eos,
-                              min_tokens=self.min_tokens)
+    @model_validator(mode="after")
+    def _check_sampling(self) -> SamplingFields:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError("'min_tokens' cannot exceed 'max_tokens'")
+        stops = self.stop_strings()
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} 'stop' strings are allowed")
+        if any(not s for s in stops):
+            raise ValueError("'stop' strings must not be empty")
+        return self
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def sampling(self, seed_offset: int = 0, logprobs: int | None = None) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=self.max_tokens or UNTIL_CONTEXT_ENDS, temperature=self.temperature, top_p=self.top_p,
+            top_k=max(self.top_k, 0),
+            seed=None if self.seed is None else (self.seed + seed_offset) % 2**63, ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens, stop=self.stop_strings(), presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, logprobs=logprobs)
+
+    def submit(self, prompt: str | None = None, messages: list[ChatMessage] | None = None, seed_offset: int = 0,
+               logprobs: int | None = None, queue_timeout: float = 0.0) -> Submit:
+        submitted = now()
+        wait = self.timeout or queue_timeout
+        return Submit(new_request_id(), self.sampling(seed_offset, logprobs), prompt=prompt, messages=messages,
+                      submitted_at=submitted, deadline=submitted + wait if wait else 0.0)
 
 
 class GenerateRequest(SamplingFields):
+    """`/generate` and `/generate_stream`, the seed's API."""
+
+    model_config = ConfigDict(extra="forbid")
+
     prompt: str | None = Field(None, min_length=1)
-    prompts: list[str] | None = Field(None, min_length=1, max_length=256)
+    prompts: list[str] | None = Field(None, min_length=1, max_length=MAX_PROMPTS)
 
     @model_validator(mode="after")
     def _one_kind_of_prompt(self) -> GenerateRequest:
@@ -38,13 +79,81 @@ class GenerateRequest(SamplingFields):
             raise ValueError("give exactly one of 'prompt' or 'prompts'")
         if self.prompts is not None and not all(self.prompts):
             raise ValueError("every entry of 'prompts' must be a non-empty string")
-        if self.min_tokens > self.max_tokens:
-            raise ValueError("'min_tokens' cannot exceed 'max_tokens'")
         return self
 
-    def submits(self) -> list[Submit]:
-        prompts = self.prompts if self.prompts is not None else [self.prompt]
-        return [Submit(new_request_id(), self.sampling(), prompt=p, submitted_at=now()) for p in prompts]
+    def prompt_list(self) -> list[str]:
+        return self.prompts if self.prompts is not None else [self.prompt]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class OpenAIFields(SamplingFields):
+    """Fields of both OpenAI routes. Unknown fields are ignored, as OpenAI clients send extras."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(..., min_length=1, description="A model id from GET /v1/models.")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="Choices to generate for each prompt.")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 means greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, description="0 or -1 turns top-k off (an extension, as in vLLM).")
+    user: str | None = None
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(OpenAIFields):
+    prompt: str | list[str] = Field(..., description="A prompt or a list of prompts.")
+    max_tokens: int = Field(16, ge=1, description="Most tokens to generate; at most the model's context.")
+    logprobs: int | None = Field(None, ge=0, le=5, description="Log-probabilities of the chosen and top tokens.")
+    echo: Literal[False] = Field(False, description="Echoing the prompt is not supported.")
+
+    @model_validator(mode="after")
+    def _prompts_not_empty(self) -> CompletionRequest:
+        prompts = self.prompt_list()
+        if not prompts or not all(prompts):
+            raise ValueError("'prompt' must be a non-empty string or a non-empty list of them")
+        if len(prompts) * self.n > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts times 'n' per request")
+        return self
+
+    def prompt_list(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else self.prompt
+
+
+class ChatRequestMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str
+
+
+class ChatCompletionRequest(OpenAIFields):
+    messages: list[ChatRequestMessage] = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI; max_completion_tokens wins.")
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_token_limit(cls, data: object) -> object:
+        # Either name sets the one limit the shared sampling fields know as max_tokens.
+        if isinstance(data, dict) and data.get("max_completion_tokens") is not None:
+            data = {**data, "max_tokens": data["max_completion_tokens"]}
+        return data
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("'top_logprobs' needs 'logprobs': true")
+        return self
+
+    def chat_messages(self) -> list[ChatMessage]:
+        return [ChatMessage(m.role, m.content) for m in self.messages]
 
 
 def new_request_id() -> str:

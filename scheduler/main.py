@@ -63,6 +63,7 @@ class Scheduler:
                           block_ms=int(self.settings.heartbeat_interval * 1000))
             if now() >= self.next_refresh:
                 self._refresh_workers()
+                self._expire()
             self._dispatch()
 
     def _consume(self, streams: dict[str, str], block_ms: int | None) -> None:
@@ -96,7 +97,9 @@ class Scheduler:
         for submit in self.waiting:
             if submit.request_id == rid:
                 self.waiting.remove(submit)
-                self.redis.xack(self.keys.requests, SCHEDULER_GROUP, self.entry_of.pop(rid))
+                pipe = self.redis.pipeline(transaction=False)
+                self._leave_queue(pipe, [submit])
+                pipe.execute()
                 log.info("cancelled while queued", extra={"request_id": rid})
                 return
         for worker in self.workers.values():
@@ -145,6 +148,27 @@ class Scheduler:
         pipe.delete(self.keys.inbox(worker.worker_id))
         pipe.execute()
 
+    def _expire(self) -> None:
+        """Requests that waited past their deadline leave the queue with a timeout error."""
+        clock = now()
+        expired = [s for s in self.waiting if s.deadline and s.deadline < clock]
+        if not expired:
+            return
+        self.waiting = deque(s for s in self.waiting if s not in expired)
+        pipe = self.redis.pipeline(transaction=False)
+        self._leave_queue(pipe, expired)
+        for submit in expired:
+            waited = clock - submit.submitted_at
+            log.warning("timed out in the queue", extra={"request_id": submit.request_id, "waited_s": waited})
+            message = Error("queue_timeout", f"no worker took the request within {waited:.1f} s")
+            pipe.publish(self.keys.results(submit.request_id), encode(message, self.limit))
+        pipe.execute()
+
+    def _leave_queue(self, pipe: redis.client.Pipeline, submits: list[Submit]) -> None:
+        """Requests off the waiting queue: their stream entries are done and the admission count drops."""
+        pipe.xack(self.keys.requests, SCHEDULER_GROUP, *(self.entry_of.pop(s.request_id) for s in submits))
+        pipe.decrby(self.keys.queued, len(submits))
+
     def _dispatch(self) -> None:
         if not self.waiting:
             return
@@ -152,13 +176,13 @@ class Scheduler:
         if not batches:
             return
         pipe = self.redis.pipeline(transaction=False)
+        self._leave_queue(pipe, [submit for sequences in batches.values() for submit in sequences])
         for worker_id, sequences in batches.items():
             batch = Batch(uuid.uuid4().hex[:12], sequences)
             pipe.xadd(self.keys.inbox(worker_id), {PAYLOAD: encode(batch, self.limit)},
                       maxlen=10_000, approximate=True)
             for submit in sequences:
                 self.workers[worker_id].assigned.add(submit.request_id)
-                pipe.xack(self.keys.requests, SCHEDULER_GROUP, self.entry_of.pop(submit.request_id))
                 log.info("dispatched", extra={"request_id": submit.request_id, "batch_id": batch.batch_id,
                                               "worker_id": worker_id})
         pipe.execute()

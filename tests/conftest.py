@@ -36,6 +36,24 @@ class RunningStack:
     def client(self, timeout: float = 120.0) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=timeout)
 
+    def extra(self, services: list[str], **settings: str) -> tuple[str, Stack]:
+        """More services of this stack's Redis with other settings (no model load unless a worker);
+        returns the URL of their gateway and the Stack to stop."""
+        port = free_port()
+        extra = Stack({**self.stack.env, "GATEWAY_PORT": str(port), **settings})
+        for name in services:
+            extra.spawn(name)
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _answers(f"{url}/health"), 30, "the extra gateway")
+        return url, extra
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url).status_code < 500
+    except httpx.HTTPError:
+        return False
+
 
 STACK_WORKERS = 2
 

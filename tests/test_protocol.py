@@ -33,7 +33,7 @@ LIMIT = 1 << 16
     (Done("length", 4, 20), Result),
     (Error("context_length_exceeded", "too long"), Result),
     (Finished("w1", "r1"), Finished),
-    (Heartbeat("w1", "m", 16, 2, 0, 9, 1.0), Heartbeat),
+    (Heartbeat("w1", "m", 8192, 16, 2, 0, 9, 1.0), Heartbeat),
 ])
 def test_every_message_survives_a_round_trip(message: msgspec.Struct, kind: type) -> None:
     assert decode(encode(message, LIMIT), kind, LIMIT) == message

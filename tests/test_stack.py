@@ -115,12 +115,15 @@ def test_bad_input_gets_a_clear_400_and_the_service_keeps_serving(stack: Running
         assert completion(client, "Paris is", 3)
 
 
-def test_a_prompt_longer_than_the_context_gets_an_error_event(stack: RunningStack) -> None:
+def test_a_prompt_longer_than_the_context_is_a_400_before_any_event(stack: RunningStack) -> None:
+    """The gateway holds the headers until the first result, so a request the worker
+    refuses still gets its HTTP status, streaming or not."""
+    body = {"prompt": "word " * 9000, "max_tokens": 4}
     with stack.client() as client:
-        _, got = stream(client, {"prompt": "word " * 9000, "max_tokens": 4})
-        response = client.post("/generate", json={"prompt": "word " * 9000, "max_tokens": 4})
-    assert got[-1].event == "error" and got[-1].data["error"]["code"] == "context_length_exceeded"
-    assert response.status_code == 400
+        for route in ("/generate_stream", "/generate"):
+            response = client.post(route, json=body)
+            assert response.status_code == 400, route
+            assert response.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_malformed_bus_messages_are_dropped_and_consumers_keep_running(stack: RunningStack) -> None:

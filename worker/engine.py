@@ -17,10 +17,11 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from common.protocol import SamplingParams
+from common.protocol import SamplingParams, TokenLogprob
 from worker.detokenizer import Detokenizer
 from worker.model import LoadedModel
-from worker.sampling import new_generator, sample
+from worker.sampling import Logprobs, new_generator, sample
+from worker.stops import StopMatcher
 
 
 class PromptTooLong(ValueError):
@@ -34,6 +35,7 @@ class Sequence:
     params: SamplingParams
     detokenizer: Detokenizer
     generator: torch.Generator | None
+    stops: StopMatcher | None
     output_ids: list[int] = field(default_factory=list)
 
 
@@ -43,6 +45,8 @@ class StepOutput:
     index: int
     text: str
     finish_reason: str | None
+    logprob: TokenLogprob | None = None
+    top_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -114,7 +118,8 @@ class Engine:
         if not prompt_ids:
             raise PromptTooLong("the prompt is empty after tokenisation")
         sequence = Sequence(request_id, prompt_ids, params, Detokenizer(self.loaded.tokenizer, prompt_ids),
-                            new_generator(params, self.loaded.device))
+                            new_generator(params, self.loaded.device),
+                            StopMatcher(params.stop) if any(params.stop) else None)
         self.waiting.append(sequence)
         return sequence
 
@@ -182,19 +187,35 @@ class Engine:
         sequences = batch.sequences[first_row:]
         eos = self.loaded.eos_token_ids
         banned = [eos if s.params.ignore_eos or len(s.output_ids) < s.params.min_tokens else [] for s in sequences]
-        tokens = sample(logits, [s.params for s in sequences], [s.generator for s in sequences], banned)
+        tokens, logprobs = sample(logits, [s.params for s in sequences], [s.generator for s in sequences], banned,
+                                  [s.output_ids for s in sequences])
         batch.last_tokens[first_row:] = torch.tensor(tokens, device=batch.last_tokens.device)
-        outputs, keep = [], list(range(first_row))
-        for row, (sequence, token) in enumerate(zip(sequences, tokens, strict=True), start=first_row):
-            sequence.output_ids.append(token)
-            reason = self._finish_reason(sequence, token)
-            text = "" if reason == "stop" else sequence.detokenizer.push(token)
-            outputs.append(StepOutput(sequence, len(sequence.output_ids) - 1, text, reason))
-            if reason is None:
-                keep.append(row)
+        outputs = [self._emit(*row) for row in zip(sequences, tokens, logprobs, strict=True)]
+        keep = list(range(first_row)) + [row for row, out in enumerate(outputs, start=first_row)
+                                         if out.finish_reason is None]
         if len(keep) < len(batch.sequences):
             self._keep(keep)
         return outputs
+
+    def _emit(self, sequence: Sequence, token: int, logprobs: Logprobs | None) -> StepOutput:
+        """Append `token` to `sequence` and say what it adds: its text, less any held back for a possible
+        stop string, and why the sequence ends, if it does."""
+        sequence.output_ids.append(token)
+        reason = self._finish_reason(sequence, token)
+        text = "" if reason == "stop" else sequence.detokenizer.push(token)
+        if sequence.stops is not None:
+            # On the last token nothing stays held: text that waited on a stop string goes out with it.
+            text, stopped = sequence.stops.push(text, last=reason is not None)
+            reason = "stop" if stopped else reason
+        output = StepOutput(sequence, len(sequence.output_ids) - 1, text, reason)
+        if logprobs is not None:
+            output.logprob, output.top_logprobs = self._token_logprobs(token, logprobs)
+        return output
+
+    def _token_logprobs(self, token: int, logprobs: Logprobs) -> tuple[TokenLogprob, list[TokenLogprob]]:
+        decode = self.loaded.tokenizer.decode
+        top = [TokenLogprob(decode([i]), value) for i, value in zip(logprobs.top_ids, logprobs.top_values, strict=True)]
+        return TokenLogprob(decode([token]), logprobs.chosen), top
 
     def _finish_reason(self, sequence: Sequence, token: int) -> str | None:
         if token in self.loaded.eos_token_ids and not sequence.params.ignore_eos:

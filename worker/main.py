@@ -63,7 +63,8 @@ class Worker:
     def _heartbeat_if_due(self) -> None:
         if now() < self.next_heartbeat:
             return
-        beat = Heartbeat(self.id, self.loaded.name, self.settings.worker_slots, len(self.engine.running),
+        beat = Heartbeat(self.id, self.loaded.name, self.loaded.max_length, self.settings.worker_slots,
+                         len(self.engine.running),
                          len(self.engine.waiting), self.finished_total, now())
         ttl_ms = int(self.settings.worker_ttl * 1000)
         pipe = self.redis.pipeline(transaction=False)
@@ -129,7 +130,7 @@ class Worker:
         pipe = self.redis.pipeline(transaction=False)
         for out in outputs:
             rid = out.sequence.request_id
-            self._send(pipe, rid, Token(out.index, out.text))
+            self._send(pipe, rid, Token(out.index, out.text, out.logprob, out.top_logprobs))
             if out.finish_reason:
                 self._send(pipe, rid, Done(out.finish_reason, len(out.sequence.prompt_ids), out.index + 1))
                 self._release(pipe, rid)
