@@ -30,8 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common.settings import Settings  # noqa: E402
-from llmserve.launcher import Stack, free_port, start_redis  # noqa: E402
-from llmserve.launcher import wait_until as wait_for  # noqa: E402
+from llmserve.launcher import private_stack  # noqa: E402
 from worker.model import LoadedModel, load_model  # noqa: E402
 
 PROMPTS = [
@@ -126,18 +125,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "stack_throughput.json"))
     args = parser.parse_args()
 
-    redis_url = f"redis://127.0.0.1:{free_port()}/0"
-    redis_process = start_redis(redis_url)
-    port = free_port()
-    env = dict(os.environ, REDIS_URL=redis_url, GATEWAY_PORT=str(port), GATEWAY_HOST="127.0.0.1",
-               WORKER_THREADS=str(args.threads), LOG_LEVEL="WARNING")
-    stack = Stack(env)
-    stack.start(workers=1)
-    url = f"http://127.0.0.1:{port}"
     torch.set_num_threads(args.threads)
     loaded = load_model(Settings(worker_threads=args.threads))
-    try:
-        wait_for(lambda: httpx.get(f"{url}/health").json().get("workers") == 1, 300, "the worker", 1.0)
+    with private_stack(1, WORKER_THREADS=str(args.threads), LOG_LEVEL="WARNING") as (url, _stack):
         asyncio.run(stack_round(url, PROMPTS[:2], 8, 2))  # warm-up
         generate_round(loaded, PROMPTS[:2], 8)
         stack16, generate16 = [], []
@@ -147,9 +137,6 @@ def main() -> None:
             print(f"round {r + 1}: stack {stack16[-1]['tok_s']:.1f} tok/s, generate {generate16[-1]:.1f} tok/s",
                   flush=True)
         stack1 = asyncio.run(stack_round(url, PROMPTS[:4], args.new_tokens, 1))
-    finally:
-        stack.stop()
-        redis_process.terminate()
     seed = None if args.skip_seed else seed_design_round(loaded, PROMPTS, args.new_tokens)
 
     stack_tok_s = statistics.median(r["tok_s"] for r in stack16)

@@ -67,7 +67,7 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     logprob: float
 
 
-class Token(msgspec.Struct, tag="token"):
+class Token(msgspec.Struct, tag="token", omit_defaults=True):
     """The text that token `index` of the completion added (empty while a multi-byte
     character is incomplete or while text might be the start of a stop string)."""
 

@@ -12,12 +12,14 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlparse
 
+import httpx
 import redis
 
 log = logging.getLogger("launcher")
@@ -120,6 +122,35 @@ class Stack:
                 process.kill()
                 process.wait()
         self.processes.clear()
+
+
+def _serving(url: str, workers: int, stack: Stack) -> bool:
+    if stack.exited():
+        raise RuntimeError(f"{', '.join(stack.exited())} exited during start-up")
+    try:
+        return httpx.get(f"{url}/health").json()["workers"] == workers
+    except (httpx.HTTPError, ValueError, KeyError):
+        return False
+
+
+@contextmanager
+def private_stack(workers: int, **settings: str) -> Iterator[tuple[str, Stack]]:
+    """A whole stack for tests and benchmarks: its own redis-server on a free port and every
+    service, with `settings` on top of the environment; yields once all workers serve."""
+    redis_url = f"redis://127.0.0.1:{free_port()}/0"
+    redis_process = start_redis(redis_url)
+    port = free_port()
+    stack = Stack({**os.environ, "REDIS_URL": redis_url, "GATEWAY_HOST": "127.0.0.1", "GATEWAY_PORT": str(port),
+                   **settings})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        stack.start(workers)
+        wait_until(lambda: _serving(url, workers, stack), 300, f"{workers} worker(s)", interval=0.5)
+        yield url, stack
+    finally:
+        stack.stop()
+        redis_process.terminate()
+        redis_process.wait()
 
 
 def up(workers: int) -> int:

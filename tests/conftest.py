@@ -3,7 +3,6 @@ separate processes, the real default model."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -12,18 +11,8 @@ import pytest
 import redis
 
 from common.protocol import Keys
-from llmserve.launcher import Stack, free_port, start_redis
+from llmserve.launcher import Stack, free_port, private_stack
 from llmserve.launcher import wait_until as wait_for
-
-
-@pytest.fixture(scope="session")
-def redis_url() -> Iterator[str]:
-    """A private redis-server on a free port (never the machine's own on 6379)."""
-    url = f"redis://127.0.0.1:{free_port()}/0"
-    server = start_redis(url)
-    yield url
-    server.terminate()
-    server.wait()
 
 
 @dataclass
@@ -59,25 +48,8 @@ STACK_WORKERS = 2
 
 
 @pytest.fixture(scope="session")
-def stack(redis_url: str) -> Iterator[RunningStack]:
+def stack() -> Iterator[RunningStack]:
     """Gateway, scheduler and two workers, each its own process, on the real model."""
-    port = free_port()
-    env = dict(os.environ, REDIS_URL=redis_url, NAMESPACE="test", GATEWAY_PORT=str(port),
-               GATEWAY_HOST="127.0.0.1", WORKER_THREADS="1", HEARTBEAT_INTERVAL="0.3", WORKER_TTL="2",
-               LOG_LEVEL="INFO")
-    running = Stack(env)
-    running.start(STACK_WORKERS)
-    url = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        assert not running.exited(), f"{running.exited()} exited during start-up"
-        try:
-            return httpx.get(f"{url}/health").json()["workers"] == STACK_WORKERS
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_for(ready, 180, "the stack's workers")
-        yield RunningStack(url, redis.Redis.from_url(redis_url), Keys("test"), running)
-    finally:
-        running.stop()
+    settings = {"NAMESPACE": "test", "WORKER_THREADS": "1", "HEARTBEAT_INTERVAL": "0.3", "WORKER_TTL": "2"}
+    with private_stack(STACK_WORKERS, **settings) as (url, running):
+        yield RunningStack(url, redis.Redis.from_url(running.env["REDIS_URL"]), Keys("test"), running)

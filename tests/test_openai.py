@@ -194,3 +194,13 @@ def test_a_full_queue_answers_429_and_waiting_requests_time_out(stack: RunningSt
         assert int(stack.redis.get("burst:queued")) == 0
     finally:
         services.stop()
+
+
+def test_a_client_that_leaves_while_queued_is_removed_from_the_queue(stack: RunningStack) -> None:
+    url, services = stack.extra(["scheduler", "gateway"], NAMESPACE="queued")
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=1)
+        wait_for(lambda: stack.redis.get("queued:queued") == b"0", 5, "the queued request to be cancelled")
+    finally:
+        services.stop()
