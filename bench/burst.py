@@ -65,8 +65,8 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=16)
     parser.add_argument("--in-flight", type=int, default=4)
     args = parser.parse_args()
-    with private_stack(1, MAX_QUEUE=str(args.queue), WORKER_SLOTS=str(args.slots), LOG_LEVEL="WARNING") as (url, _):
-        result = asyncio.run(run(url, args.queue, args.in_flight))
+    with private_stack(1, MAX_QUEUE=str(args.queue), WORKER_SLOTS=str(args.slots), LOG_LEVEL="WARNING") as running:
+        result = asyncio.run(run(running.url, args.queue, args.in_flight))
     out = ROOT / "bench" / "results" / "burst.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

@@ -127,7 +127,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     loaded = load_model(Settings(worker_threads=args.threads))
-    with private_stack(1, WORKER_THREADS=str(args.threads), LOG_LEVEL="WARNING") as (url, _stack):
+    with private_stack(1, WORKER_THREADS=str(args.threads), LOG_LEVEL="WARNING") as running:
+        url = running.url
         asyncio.run(stack_round(url, PROMPTS[:2], 8, 2))  # warm-up
         generate_round(loaded, PROMPTS[:2], 8)
         stack16, generate16 = [], []

@@ -49,6 +49,10 @@ class Submit(msgspec.Struct, tag="submit"):
     submitted_at: float = 0.0
     # Epoch seconds after which a request still waiting in the queue is dropped (0: never).
     deadline: float = 0.0
+    # After a worker loss: the tokens already delivered, which the next worker prefills and
+    # continues from, and how many times the request has moved.
+    resume: list[int] = msgspec.field(default_factory=list)
+    migrations: int = 0
 
 
 class Cancel(msgspec.Struct, tag="cancel"):
@@ -104,6 +108,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat"):
     waiting: int
     finished_total: int
     sent_at: float
+    draining: bool = False
 
 
 RequestMessage = Submit | Cancel
@@ -164,6 +169,19 @@ class Keys:
 
     def results(self, request_id: str) -> str:
         return f"{self.ns}:out:{request_id}"
+
+    def assigned(self, worker_id: str) -> str:
+        """Hash of request_id -> Submit of what the scheduler gave this worker and it has not finished."""
+        return f"{self.ns}:worker:{worker_id}:assigned"
+
+    def progress(self, request_id: str) -> str:
+        """List of the token ids a worker has delivered for this request, for resuming it elsewhere."""
+        return f"{self.ns}:progress:{request_id}"
+
+    @property
+    def lease(self) -> str:
+        """Which scheduler replica acts; the others stand by until it lapses."""
+        return f"{self.ns}:scheduler:lease"
 
     @property
     def queued(self) -> str:

@@ -26,6 +26,8 @@ class Settings:
     max_queue: int = 1024
     queue_timeout: float = 600.0
     api_keys: str = ""
+    migration_limit: int = 3
+    drain_timeout: float = 25.0
     log_level: str = "INFO"
 
     @classmethod

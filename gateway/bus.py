@@ -42,7 +42,7 @@ class Bus:
         self.limit = settings.max_message_bytes
         self.keys = Keys(settings.namespace)
         self.redis = aioredis.from_url(settings.redis_url)
-        self.router = ResultRouter(self.redis, self.keys, self.limit)
+        self.router = ResultRouter(settings.redis_url, self.keys, self.limit)
         self.admit_script = self.redis.register_script(_ADMIT)
         self._workers: tuple[float, list[Heartbeat]] = (0.0, [])
 
@@ -67,9 +67,17 @@ class Bus:
                 raise QueueFull
 
             async def results() -> AsyncIterator[tuple[int, Result]]:
+                next_index = [0] * len(submits)
                 while pending:
                     choice, result = await mailbox.get()
-                    if not isinstance(result, Token):
+                    if choice not in pending:
+                        continue
+                    if isinstance(result, Token):
+                        # After a migration the new worker may repeat the last token the old one sent.
+                        if result.index < next_index[choice]:
+                            continue
+                        next_index[choice] = result.index + 1
+                    else:
                         pending.discard(choice)
                     yield choice, result
 

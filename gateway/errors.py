@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 
 
@@ -40,7 +41,13 @@ def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
     return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
 
 
+def _redis_down(_request: Request, exc: RedisError) -> JSONResponse:
+    error = ApiError(503, f"Redis is unreachable: {exc}", "redis_unavailable", headers={"Retry-After": "1"})
+    return JSONResponse(error.body(), status_code=503, headers=error.headers)
+
+
 def install(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(RedisError, _redis_down)

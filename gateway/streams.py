@@ -18,7 +18,8 @@ from gateway.errors import ApiError
 T = TypeVar("T")
 
 # HTTP status of each error code a request can end with.
-STATUS_OF_CODE = {"context_length_exceeded": 400, "queue_timeout": 503, "worker_lost": 503, "engine_error": 500}
+STATUS_OF_CODE = {"context_length_exceeded": 400, "queue_timeout": 503, "migration_limit": 503,
+                  "redis_unavailable": 503, "engine_error": 500}
 RETRY_AFTER_SECONDS = "1"
 
 

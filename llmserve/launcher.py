@@ -110,7 +110,7 @@ class Stack:
     def exited(self) -> list[str]:
         return [name for name, process in self.processes if process.poll() is not None]
 
-    def stop(self, timeout: float = 15.0) -> None:
+    def stop(self, timeout: float = 30.0) -> None:
         for _name, process in reversed(self.processes):
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
@@ -133,24 +133,39 @@ def _serving(url: str, workers: int, stack: Stack) -> bool:
         return False
 
 
+@dataclass
+class PrivateStack:
+    """A stack with a Redis of its own, for tests and benchmarks."""
+
+    url: str
+    stack: Stack
+    redis_url: str
+    redis_process: subprocess.Popen[bytes]
+
+    def stop_redis(self) -> None:
+        self.redis_process.terminate()
+        self.redis_process.wait()
+
+    def start_redis(self) -> None:
+        self.redis_process = start_redis(self.redis_url)
+
+
 @contextmanager
-def private_stack(workers: int, **settings: str) -> Iterator[tuple[str, Stack]]:
-    """A whole stack for tests and benchmarks: its own redis-server on a free port and every
-    service, with `settings` on top of the environment; yields once all workers serve."""
+def private_stack(workers: int, **settings: str) -> Iterator[PrivateStack]:
+    """Its own redis-server on a free port and every service, with `settings` on top of the
+    environment; yields once all workers serve."""
     redis_url = f"redis://127.0.0.1:{free_port()}/0"
-    redis_process = start_redis(redis_url)
     port = free_port()
     stack = Stack({**os.environ, "REDIS_URL": redis_url, "GATEWAY_HOST": "127.0.0.1", "GATEWAY_PORT": str(port),
                    **settings})
-    url = f"http://127.0.0.1:{port}"
+    running = PrivateStack(f"http://127.0.0.1:{port}", stack, redis_url, start_redis(redis_url))
     try:
         stack.start(workers)
-        wait_until(lambda: _serving(url, workers, stack), 300, f"{workers} worker(s)", interval=0.5)
-        yield url, stack
+        wait_until(lambda: _serving(running.url, workers, stack), 300, f"{workers} worker(s)", interval=0.5)
+        yield running
     finally:
         stack.stop()
-        redis_process.terminate()
-        redis_process.wait()
+        running.stop_redis()
 
 
 def up(workers: int) -> int:

@@ -13,10 +13,12 @@ class WorkerState:
     worker_id: str
     slots: int
     assigned: set[str] = field(default_factory=set)
+    draining: bool = False
 
     @property
     def free(self) -> int:
-        return self.slots - len(self.assigned)
+        """Slots for new work: none while the worker drains before it stops."""
+        return 0 if self.draining else self.slots - len(self.assigned)
 
 
 def plan(waiting: deque[Submit], workers: list[WorkerState]) -> dict[str, list[Submit]]:

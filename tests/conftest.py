@@ -33,11 +33,11 @@ class RunningStack:
         for name in services:
             extra.spawn(name)
         url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: _answers(f"{url}/health"), 30, "the extra gateway")
+        wait_for(lambda: responds(f"{url}/health"), 30, "the extra gateway")
         return url, extra
 
 
-def _answers(url: str) -> bool:
+def responds(url: str) -> bool:
     try:
         return httpx.get(url).status_code < 500
     except httpx.HTTPError:
@@ -51,5 +51,5 @@ STACK_WORKERS = 2
 def stack() -> Iterator[RunningStack]:
     """Gateway, scheduler and two workers, each its own process, on the real model."""
     settings = {"NAMESPACE": "test", "WORKER_THREADS": "1", "HEARTBEAT_INTERVAL": "0.3", "WORKER_TTL": "2"}
-    with private_stack(STACK_WORKERS, **settings) as (url, running):
-        yield RunningStack(url, redis.Redis.from_url(running.env["REDIS_URL"]), Keys("test"), running)
+    with private_stack(STACK_WORKERS, **settings) as running:
+        yield RunningStack(running.url, redis.Redis.from_url(running.redis_url), Keys("test"), running.stack)

@@ -29,3 +29,9 @@ def test_nothing_is_planned_without_free_workers() -> None:
     assert plan(waiting, [WorkerState("a", 1, assigned={"x"})]) == {}
     assert plan(waiting, []) == {}
     assert len(waiting) == 2
+
+
+def test_a_draining_worker_gets_nothing() -> None:
+    waiting = submits(3)
+    batches = plan(waiting, [WorkerState("a", 16, draining=True), WorkerState("b", 16)])
+    assert list(batches) == ["b"] and len(batches["b"]) == 3

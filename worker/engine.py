@@ -111,8 +111,11 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        if len(prompt_ids) >= self.loaded.max_length:
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+            resume: list[int] | None = None) -> Sequence:
+        """Queue a sequence. `resume` holds tokens another worker already delivered: they are
+        prefilled with the prompt and generation continues after them."""
+        if len(prompt_ids) + len(resume or []) >= self.loaded.max_length:
             raise PromptTooLong(f"the prompt has {len(prompt_ids)} tokens; the model's context is "
                                 f"{self.loaded.max_length} tokens, prompt and completion together")
         if not prompt_ids:
@@ -120,6 +123,13 @@ class Engine:
         sequence = Sequence(request_id, prompt_ids, params, Detokenizer(self.loaded.tokenizer, prompt_ids),
                             new_generator(params, self.loaded.device),
                             StopMatcher(params.stop) if any(params.stop) else None)
+        for token in resume or []:
+            # Replaying the delivered tokens leaves any held-back text (a partial character, the start
+            # of a stop string) exactly as the lost worker had it.
+            sequence.output_ids.append(token)
+            text = sequence.detokenizer.push(token)
+            if sequence.stops is not None:
+                sequence.stops.push(text, last=False)
         self.waiting.append(sequence)
         return sequence
 
@@ -155,16 +165,16 @@ class Engine:
 
     def _prefill(self, joiners: list[Sequence]) -> list[StepOutput]:
         device = self.loaded.device
-        width = max(len(s.prompt_ids) for s in joiners)
+        contexts = [s.prompt_ids + s.output_ids for s in joiners]
+        width = max(len(c) for c in contexts)
         pad_id = self.loaded.eos_token_ids[0]
-        ids = torch.tensor([[pad_id] * (width - len(s.prompt_ids)) + s.prompt_ids for s in joiners], device=device)
-        mask = torch.tensor([[0] * (width - len(s.prompt_ids)) + [1] * len(s.prompt_ids) for s in joiners],
-                            device=device)
+        ids = torch.tensor([[pad_id] * (width - len(c)) + c for c in contexts], device=device)
+        mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts], device=device)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.loaded.model.config)
         logits = self.loaded.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
                                    use_cache=True, logits_to_keep=1).logits[:, -1]
-        lengths = torch.tensor([len(s.prompt_ids) for s in joiners], device=device)
+        lengths = torch.tensor([len(c) for c in contexts], device=device)
         new = _Batch(joiners, cache, mask, torch.zeros_like(lengths), lengths)
         if self.batch is None:
             self.batch = new

@@ -3,10 +3,12 @@ each request's tagged results and tells the scheduler when a slot frees up."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import socket
+import time
 import uuid
 
 import redis
@@ -23,6 +25,7 @@ from common.protocol import (
     InboxMessage,
     Keys,
     ProtocolError,
+    Submit,
     Token,
     decode,
     encode,
@@ -33,6 +36,9 @@ from worker.engine import Engine, PromptTooLong, StepOutput
 from worker.model import LoadedModel, load_model
 
 log = logging.getLogger("worker")
+
+MAX_BACKOFF = 5.0
+PROGRESS_TTL_SECONDS = 3600
 
 
 class Worker:
@@ -46,26 +52,67 @@ class Worker:
         self.inbox_cursor = "0-0"
         self.finished_total = 0
         self.next_heartbeat = 0.0
-        self.stopping = False
+        self.drain_until: float | None = None  # set by SIGTERM
+        self.stopping = False  # set by a second signal: leave now
+        self.orphans: list[str] = []  # requests dropped while Redis was unreachable
+
+    def drain(self) -> None:
+        """Take no new work, finish what runs (up to DRAIN_TIMEOUT), then exit; what is left
+        then is migrated by the scheduler like the work of a lost worker."""
+        if self.drain_until is not None:
+            self.stopping = True
+            return
+        self.drain_until = now() + self.settings.drain_timeout
+        self.next_heartbeat = 0.0  # tell the scheduler at once
+        log.info("draining", extra={"worker_id": self.id, "running": len(self.engine.running)})
 
     def run(self) -> None:
         log.info("worker ready", extra={"worker_id": self.id, "model": self.loaded.name,
                                         "slots": self.settings.worker_slots})
-        try:
-            while not self.stopping:
-                self._heartbeat_if_due()
-                self._read_inbox(block=not self.engine.has_work())
-                self._step()
-        finally:
+        backoff = 0.1
+        while not self._done():
+            try:
+                self._tend()
+                backoff = 0.1
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                self._lose_redis(exc, backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF)
+        with contextlib.suppress(redis.RedisError):
             self.redis.srem(self.keys.workers, self.id)
-            self.redis.delete(self.keys.heartbeat(self.id), self.keys.inbox(self.id))
+            self.redis.delete(self.keys.heartbeat(self.id))
+        log.info("worker stopped", extra={"worker_id": self.id, "left_running": len(self.engine.running)})
+
+    def _done(self) -> bool:
+        if self.stopping:
+            return True
+        draining = self.drain_until is not None
+        return draining and (not self.engine.has_work() or now() > self.drain_until)
+
+    def _tend(self) -> None:
+        if self.orphans:
+            for request_id in self.orphans:
+                self._fail(request_id, "redis_unavailable", "the worker lost Redis while generating")
+            self.orphans = []
+        self._heartbeat_if_due()
+        self._read_inbox(block=not self.engine.has_work())
+        self._step()
+
+    def _lose_redis(self, exc: Exception, backoff: float) -> None:
+        """Whatever was in flight cannot be delivered in order any more: drop it, and tell its
+        clients once Redis answers again (after a restart nobody listens, which is harmless)."""
+        dropped = self.engine.abort_all()
+        self.orphans += [s.request_id for s in dropped]
+        log.warning("redis unreachable; retrying", extra={"worker_id": self.id, "error": str(exc),
+                                                          "dropped": len(dropped), "retry_in_s": backoff})
+        self.next_heartbeat = 0.0
+        time.sleep(backoff)
 
     def _heartbeat_if_due(self) -> None:
         if now() < self.next_heartbeat:
             return
         beat = Heartbeat(self.id, self.loaded.name, self.loaded.max_length, self.settings.worker_slots,
-                         len(self.engine.running),
-                         len(self.engine.waiting), self.finished_total, now())
+                         len(self.engine.running), len(self.engine.waiting), self.finished_total, now(),
+                         draining=self.drain_until is not None)
         ttl_ms = int(self.settings.worker_ttl * 1000)
         pipe = self.redis.pipeline(transaction=False)
         pipe.set(self.keys.heartbeat(self.id), encode(beat, self.settings.max_message_bytes), px=ttl_ms)
@@ -103,11 +150,23 @@ class Worker:
 
     def _admit(self, batch: Batch) -> None:
         for submit in batch.sequences:
-            log.info("admitted", extra={"request_id": submit.request_id, "batch_id": batch.batch_id})
+            log.info("admitted", extra={"request_id": submit.request_id, "batch_id": batch.batch_id,
+                                        "resume_tokens": len(submit.resume)})
+            if len(submit.resume) >= submit.params.max_tokens:
+                self._complete(submit)
+                continue
             try:
-                self.engine.add(submit.request_id, self.loaded.prompt_ids(submit), submit.params)
+                self.engine.add(submit.request_id, self.loaded.prompt_ids(submit), submit.params, submit.resume)
             except PromptTooLong as exc:
                 self._fail(submit.request_id, "context_length_exceeded", str(exc))
+
+    def _complete(self, submit: Submit) -> None:
+        """A migrated request whose tokens were all delivered: only its Done went missing."""
+        pipe = self.redis.pipeline(transaction=False)
+        done = Done("length", len(self.loaded.prompt_ids(submit)), len(submit.resume))
+        self._send(pipe, submit.request_id, done)
+        self._release(pipe, submit.request_id)
+        pipe.execute()
 
     def _fail(self, request_id: str, code: str, message: str) -> None:
         log.warning("request failed", extra={"request_id": request_id, "error": message})
@@ -131,6 +190,11 @@ class Worker:
         for out in outputs:
             rid = out.sequence.request_id
             self._send(pipe, rid, Token(out.index, out.text, out.logprob, out.top_logprobs))
+            # Published first, recorded second: a worker lost in between makes its successor
+            # repeat this token, which the gateway drops by its index, rather than skip it.
+            pipe.rpush(self.keys.progress(rid), out.sequence.output_ids[out.index])
+            if out.index == 0:
+                pipe.expire(self.keys.progress(rid), PROGRESS_TTL_SECONDS)
             if out.finish_reason:
                 self._send(pipe, rid, Done(out.finish_reason, len(out.sequence.prompt_ids), out.index + 1))
                 self._release(pipe, rid)
@@ -143,6 +207,7 @@ class Worker:
 
     def _release(self, pipe: redis.client.Pipeline, request_id: str) -> None:
         self.finished_total += 1
+        pipe.delete(self.keys.progress(request_id))
         event = Finished(self.id, request_id)
         pipe.xadd(self.keys.events, {PAYLOAD: encode(event, self.settings.max_message_bytes)},
                   maxlen=100_000, approximate=True)
@@ -153,9 +218,9 @@ def main() -> None:
     setup_logging("worker", settings.log_level)
     worker = Worker(settings, load_model(settings))
 
-    def stop(_signum: int, _frame: object) -> None:
-        worker.stopping = True
+    def drain(_signum: int, _frame: object) -> None:
+        worker.drain()
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, drain)
+    signal.signal(signal.SIGINT, drain)
     worker.run()

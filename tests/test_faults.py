@@ -1,0 +1,193 @@
+"""Chaos on real processes: kill -9 and SIGTERM workers, kill -9 the scheduler,
+stop and start Redis, on a stack of its own (two workers, the real model)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import redis
+
+from common.protocol import Keys
+from llmserve.launcher import PrivateStack, Stack, free_port, private_stack
+from llmserve.launcher import wait_until as wait_for
+from tests.conftest import responds
+from tests.sse import events
+
+NS = "chaos"
+KEYS = Keys(NS)
+SETTINGS = {"NAMESPACE": NS, "WORKER_THREADS": "1", "HEARTBEAT_INTERVAL": "0.3", "WORKER_TTL": "2"}
+LONG = {"prompt": "Write a long essay about the history of ships.", "max_tokens": 40, "temperature": 0,
+        "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def chaos() -> Iterator[PrivateStack]:
+    with private_stack(2, **SETTINGS) as running:
+        yield running
+
+
+def client_of(running: PrivateStack) -> redis.Redis:
+    return redis.Redis.from_url(running.redis_url)
+
+
+def pid_of(process_id: str) -> int:
+    """Worker and scheduler ids are host-pid-suffix."""
+    return int(process_id.split("-")[-2])
+
+
+def worker_running(running: PrivateStack, request_id: str) -> str:
+    r = client_of(running)
+    for member in r.smembers(KEYS.workers):
+        if r.hexists(KEYS.assigned(member.decode()), request_id):
+            return member.decode()
+    raise AssertionError(f"no worker holds {request_id}")
+
+
+def restore_workers(running: PrivateStack, count: int = 2) -> None:
+    """Replace dead workers so that the next test starts with `count` of them again."""
+    live = sum(1 for name, p in running.stack.processes if name == "worker" and p.poll() is None)
+    for _ in range(count - live):
+        running.stack.spawn("worker")
+    wait_for(lambda: httpx.get(f"{running.url}/health").json().get("workers") == count, 120, "workers", 0.5)
+
+
+def reference(running: PrivateStack) -> str:
+    return httpx.post(f"{running.url}/generate", json=LONG, timeout=120).json()["text"]
+
+
+def stream_with_fault(running: PrivateStack, fault_at: int, fault) -> tuple[list[int], str, dict, float]:
+    """Stream LONG, call `fault(request_id)` once token `fault_at` arrived; returns the indexes, the text,
+    the final event and the seconds from the fault to the next token."""
+    indexes, text, final, faulted_at, gap = [], "", {}, 0.0, 0.0
+    with httpx.Client(base_url=running.url, timeout=120) as client, \
+            client.stream("POST", "/generate_stream", json=LONG) as response:
+        request_id = response.headers["x-request-id"]
+        for event in events(response):
+            if "index" not in event.data:
+                final = event.data
+                continue
+            if faulted_at and not gap:
+                gap = time.monotonic() - faulted_at
+            indexes.append(event.data["index"])
+            text += event.data["token"]
+            if event.data["index"] == fault_at:
+                fault(request_id)
+                faulted_at = time.monotonic()
+    return indexes, text, final, gap
+
+
+def test_a_killed_workers_stream_continues_on_another_without_loss_or_duplicate(chaos: PrivateStack) -> None:
+    expected = reference(chaos)
+
+    def kill(request_id: str) -> None:
+        os.kill(pid_of(worker_running(chaos, request_id)), signal.SIGKILL)
+
+    indexes, text, final, gap = stream_with_fault(chaos, 8, kill)
+    assert indexes == list(range(40))
+    assert text == expected
+    assert final["finish_reason"] == "length" and final["completion_tokens"] == 40
+    print(f"worker kill -9: first token after the fault in {gap:.2f} s")
+    restore_workers(chaos)
+
+
+def test_sigterm_drains_a_worker_without_losing_its_stream(chaos: PrivateStack) -> None:
+    expected = reference(chaos)
+    drained: list[int] = []
+
+    def terminate(request_id: str) -> None:
+        pid = pid_of(worker_running(chaos, request_id))
+        os.kill(pid, signal.SIGTERM)
+        drained.append(pid)
+
+    indexes, text, final, _ = stream_with_fault(chaos, 4, terminate)
+    assert indexes == list(range(40)) and text == expected and final["completion_tokens"] == 40
+    process = next(p for name, p in chaos.stack.processes if p.pid == drained[0])
+    assert process.wait(10) == 0
+    restore_workers(chaos)
+
+
+def test_the_scheduler_restarts_under_load_and_nothing_is_lost(chaos: PrivateStack) -> None:
+    expected = reference(chaos)
+    scheduler = next(p for name, p in chaos.stack.processes if name == "scheduler" and p.poll() is None)
+
+    def kill_scheduler(_request_id: str) -> None:
+        scheduler.kill()
+
+    with ThreadPoolExecutor(4) as pool:
+        # A stream runs on a worker while the scheduler dies; four more requests arrive meanwhile.
+        running = pool.submit(stream_with_fault, chaos, 2, kill_scheduler)
+        wait_for(lambda: scheduler.poll() is not None, 30, "the scheduler to die")
+        later = [pool.submit(lambda: httpx.post(f"{chaos.url}/generate", json=LONG, timeout=120)) for _ in range(3)]
+        time.sleep(1)
+        chaos.stack.spawn("scheduler")
+        indexes, text, _, _ = running.result()
+        answers = [f.result() for f in later]
+    assert indexes == list(range(40)) and text == expected
+    assert [a.status_code for a in answers] == [200, 200, 200]
+    assert all(a.json()["text"] == expected for a in answers)
+    r = client_of(chaos)
+    wait_for(lambda: not any(r.hlen(KEYS.assigned(w.decode())) for w in r.smembers(KEYS.workers)), 10,
+             "every assignment to be released")
+
+
+def test_a_standby_scheduler_takes_over_queued_requests(chaos: PrivateStack) -> None:
+    """A namespace with no worker: requests only queue. Kill the leader; the standby must
+    recover its queue, which shows as each request timing out instead of hanging."""
+    port = free_port()
+    services = Stack({**chaos.stack.env, "NAMESPACE": "standby", "GATEWAY_PORT": str(port)})
+    for name in ("scheduler", "scheduler", "gateway"):
+        services.spawn(name)
+    url = f"http://127.0.0.1:{port}"
+    r = client_of(chaos)
+    try:
+        wait_for(lambda: responds(f"{url}/health") and r.get("standby:scheduler:lease"), 30,
+                 "the gateway and a leader")
+        leader_pid = pid_of(r.get("standby:scheduler:lease").decode())
+        leader = next(process for _, process in services.processes if process.pid == leader_pid)
+        body = {"prompt": "Hi", "max_tokens": 2, "timeout": 6}
+        with ThreadPoolExecutor(3) as pool:
+            answers = [pool.submit(httpx.post, f"{url}/generate", json=body, timeout=60) for _ in range(3)]
+            wait_for(lambda: r.get("standby:queued") == b"3", 10, "three queued requests")
+            leader.kill()
+            statuses = [a.result().status_code for a in answers]
+        assert statuses == [503, 503, 503]
+        assert all(a.result().json()["error"]["code"] == "queue_timeout" for a in answers)
+        assert r.get("standby:queued") == b"0"
+    finally:
+        services.stop()
+
+
+def test_redis_restart_fails_in_flight_requests_clearly_and_service_resumes(chaos: PrivateStack) -> None:
+    seen: list[str] = []
+
+    def stop_redis(_request_id: str) -> None:
+        chaos.stop_redis()
+
+    with httpx.Client(base_url=chaos.url, timeout=60) as client, \
+            client.stream("POST", "/generate_stream", json=LONG) as response:
+        for event in events(response):
+            seen.append(event.event or "token")
+            if event.data.get("index") == 3:
+                stop_redis("")
+    assert seen[-1] == "error"
+    health = httpx.get(f"{chaos.url}/health")
+    assert health.status_code == 503 and health.json()["redis"] is False
+    assert httpx.post(f"{chaos.url}/generate", json=LONG, timeout=30).status_code == 503
+    chaos.start_redis()
+    started = time.monotonic()
+
+    def serves() -> bool:
+        try:
+            return httpx.post(f"{chaos.url}/generate", json={**LONG, "max_tokens": 4}, timeout=30).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(serves, 30, "the stack to serve again", interval=0.5)
+    print(f"redis restart: serving again {time.monotonic() - started:.1f} s after Redis came back")
+    assert all(p.poll() is None for _, p in chaos.stack.processes)
