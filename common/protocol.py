@@ -85,6 +85,8 @@ class Done(msgspec.Struct, tag="done"):
     finish_reason: Literal["stop", "length"]
     prompt_tokens: int
     completion_tokens: int
+    # Seconds between the gateway accepting the request and a worker admitting it.
+    queue_s: float = 0.0
 
 
 class Error(msgspec.Struct, tag="error"):
@@ -109,6 +111,16 @@ class Heartbeat(msgspec.Struct, tag="heartbeat"):
     finished_total: int
     sent_at: float
     draining: bool = False
+    metrics_port: int = 0
+
+
+class TraceEvent(msgspec.Struct, array_like=True):
+    """One hop of a request's journey, stamped by the service that made it."""
+
+    hop: str
+    service: str
+    at: float
+    detail: dict[str, str | int | float] = msgspec.field(default_factory=dict)
 
 
 RequestMessage = Submit | Cancel
@@ -177,6 +189,10 @@ class Keys:
     def progress(self, request_id: str) -> str:
         """List of the token ids a worker has delivered for this request, for resuming it elsewhere."""
         return f"{self.ns}:progress:{request_id}"
+
+    def trace(self, request_id: str) -> str:
+        """List of TraceEvent: the request's journey, kept for TRACE_TTL seconds."""
+        return f"{self.ns}:trace:{request_id}"
 
     @property
     def lease(self) -> str:

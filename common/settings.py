@@ -28,6 +28,9 @@ class Settings:
     api_keys: str = ""
     migration_limit: int = 3
     drain_timeout: float = 25.0
+    trace_ttl: float = 600.0
+    scheduler_metrics_port: int = 9101
+    worker_metrics_port: int = 9102
     log_level: str = "INFO"
 
     @classmethod

@@ -8,10 +8,11 @@ from contextlib import asynccontextmanager
 import uvicorn
 from fastapi import FastAPI
 
-from common.logs import setup_logging
 from common.settings import Settings
-from gateway import errors, openai_api, routes
+from common.telemetry import setup_logging
+from gateway import errors, observe, openai_api, routes
 from gateway.bus import Bus
+from gateway.metrics import CountRequests
 from gateway.middleware import Guard
 
 
@@ -28,8 +29,11 @@ def create_app(settings: Settings) -> FastAPI:
     errors.install(app)
     app.include_router(routes.router)
     app.include_router(openai_api.router)
+    app.include_router(observe.router)
     keys = [key.strip() for key in settings.api_keys.split(",") if key.strip()]
     app.add_middleware(Guard, api_keys=keys, max_body=settings.max_message_bytes)
+    # Outermost, so that refusals by the guard are counted too.
+    app.add_middleware(CountRequests, routes=set(app.openapi()["paths"]))
     return app
 
 

@@ -3,16 +3,34 @@ results, cancel what a client abandons."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import anyio
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
+from redis.exceptions import RedisError
 
-from common.protocol import PAYLOAD, Cancel, Heartbeat, Keys, ProtocolError, Result, Submit, Token, decode, encode
+from common.protocol import (
+    PAYLOAD,
+    Cancel,
+    Done,
+    Heartbeat,
+    Keys,
+    ProtocolError,
+    Result,
+    Submit,
+    Token,
+    TraceEvent,
+    decode,
+    encode,
+)
 from common.settings import Settings
-from gateway.results import ResultRouter
+from common.trace import stamp
+from gateway import metrics
+from gateway.results import Mailbox, ResultRouter
 
 REQUEST_STREAM_MAXLEN = 100_000
 WORKERS_CACHE_SECONDS = 1.0
@@ -45,6 +63,7 @@ class Bus:
         self.router = ResultRouter(settings.redis_url, self.keys, self.limit)
         self.admit_script = self.redis.register_script(_ADMIT)
         self._workers: tuple[float, list[Heartbeat]] = (0.0, [])
+        self.throughput = metrics.Throughput()
 
     async def start(self) -> None:
         await self.router.start()
@@ -60,40 +79,71 @@ class Bus:
         failed) cancels every request still running, wherever it is."""
         pending = set(range(len(submits)))
         async with self.router.open([s.request_id for s in submits]) as mailbox:
-            admitted = await self.admit_script(keys=[self.keys.queued, self.keys.requests],
-                                               args=[self.settings.max_queue, REQUEST_STREAM_MAXLEN,
-                                                     *(encode(s, self.limit) for s in submits)])
-            if not admitted:
-                raise QueueFull
-
-            async def results() -> AsyncIterator[tuple[int, Result]]:
-                next_index = [0] * len(submits)
-                while pending:
-                    choice, result = await mailbox.get()
-                    if choice not in pending:
-                        continue
-                    if isinstance(result, Token):
-                        # After a migration the new worker may repeat the last token the old one sent.
-                        if result.index < next_index[choice]:
-                            continue
-                        next_index[choice] = result.index + 1
-                    else:
-                        pending.discard(choice)
-                    yield choice, result
-
+            await self._admit(submits)
+            metrics.ACTIVE.inc()
             try:
-                yield results()
+                yield self._results(mailbox, len(submits), pending)
             finally:
-                if pending:
-                    with anyio.CancelScope(shield=True):
-                        await self._cancel([submits[i].request_id for i in pending])
+                metrics.ACTIVE.dec()
+                with anyio.CancelScope(shield=True), contextlib.suppress(RedisError, OSError):
+                    await self._close(submits, pending)
 
-    async def _cancel(self, request_ids: list[str]) -> None:
+    async def _admit(self, submits: list[Submit]) -> None:
         pipe = self.redis.pipeline(transaction=False)
-        for rid in request_ids:
-            pipe.xadd(self.keys.requests, {PAYLOAD: encode(Cancel(rid), self.limit)},
-                      maxlen=REQUEST_STREAM_MAXLEN, approximate=True)
+        for submit in submits:
+            self._stamp(pipe, submit.request_id, "received")
+        payloads = [encode(s, self.limit) for s in submits]
+        await self.admit_script(keys=[self.keys.queued, self.keys.requests], client=pipe,
+                                args=[self.settings.max_queue, REQUEST_STREAM_MAXLEN, *payloads])
+        *_, admitted = await pipe.execute()
+        if not admitted:
+            raise QueueFull
+
+    async def _results(self, mailbox: Mailbox, choices: int, pending: set[int]) -> AsyncIterator[tuple[int, Result]]:
+        started = time.monotonic()
+        next_index = [0] * choices
+        last_at = [started] * choices
+        while pending:
+            choice, result = await mailbox.get()
+            if choice not in pending:
+                continue
+            clock = time.monotonic()
+            if isinstance(result, Token):
+                # After a migration the new worker may repeat the last token the old one sent.
+                if result.index < next_index[choice]:
+                    continue
+                (metrics.ITL if next_index[choice] else metrics.TTFT).observe(clock - last_at[choice])
+                next_index[choice], last_at[choice] = result.index + 1, clock
+                metrics.TOKENS_OUT.inc()
+                self.throughput.add(1)
+            else:
+                pending.discard(choice)
+                metrics.E2E.observe(clock - started)
+                if isinstance(result, Done):
+                    metrics.TOKENS_IN.inc(result.prompt_tokens)
+                    metrics.QUEUE.observe(result.queue_s)
+            yield choice, result
+
+    async def _close(self, submits: list[Submit], pending: set[int]) -> None:
+        """Cancel what still runs and stamp how each request left the gateway."""
+        pipe = self.redis.pipeline(transaction=False)
+        for choice, submit in enumerate(submits):
+            if choice in pending:
+                pipe.xadd(self.keys.requests, {PAYLOAD: encode(Cancel(submit.request_id), self.limit)},
+                          maxlen=REQUEST_STREAM_MAXLEN, approximate=True)
+            self._stamp(pipe, submit.request_id, "cancelled" if choice in pending else "delivered")
         await pipe.execute()
+
+    def _stamp(self, pipe: Pipeline, request_id: str, hop: str) -> None:
+        stamp(pipe, self.keys, request_id, hop, "gateway", self.settings.trace_ttl)
+
+    async def trace(self, request_id: str) -> list[TraceEvent]:
+        raw = await self.redis.lrange(self.keys.trace(request_id), 0, -1)
+        events = [decode(item, TraceEvent, self.limit) for item in raw]
+        return sorted(events, key=lambda event: event.at)
+
+    async def queue_depth(self) -> int:
+        return max(int(await self.redis.get(self.keys.queued) or 0), 0)
 
     async def live_workers(self) -> list[Heartbeat]:
         """Heartbeats of the live workers, cached for a second (it is asked on every request)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def main() -> None:
@@ -10,6 +11,9 @@ def main() -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     up = commands.add_parser("up", help="start Redis (if needed), the gateway, a scheduler and workers")
     up.add_argument("--workers", type=int, default=1, help="number of worker processes (default 1)")
+    status = commands.add_parser("status", help="workers, slots, queue and recent throughput, as a table")
+    status.add_argument("--url", default=f"http://localhost:{os.environ.get('GATEWAY_PORT', '8000')}",
+                        help="the gateway (default http://localhost:$GATEWAY_PORT)")
     commands.add_parser("gateway", help="run the HTTP gateway")
     commands.add_parser("scheduler", help="run the scheduler")
     commands.add_parser("worker", help="run one model worker")
@@ -20,6 +24,10 @@ def main() -> None:
         from llmserve.launcher import up as run_stack
 
         raise SystemExit(run_stack(args.workers))
+    if args.command == "status":
+        from llmserve.status import status as show_status
+
+        raise SystemExit(show_status(args.url))
     if args.command == "gateway":
         from gateway.app import main as run
     elif args.command == "scheduler":
@@ -27,3 +35,7 @@ def main() -> None:
     else:
         from worker.main import main as run
     run()
+
+
+if __name__ == "__main__":
+    main()

@@ -20,7 +20,6 @@ from collections import deque
 
 import redis
 
-from common.logs import setup_logging
 from common.protocol import (
     PAYLOAD,
     SCHEDULER_GROUP,
@@ -38,6 +37,9 @@ from common.protocol import (
     now,
 )
 from common.settings import Settings
+from common.telemetry import serve_metrics, setup_logging
+from common.trace import stamp
+from scheduler import metrics
 from scheduler.batcher import WorkerState, plan
 
 log = logging.getLogger("scheduler")
@@ -124,54 +126,61 @@ class Scheduler:
             self._refresh_workers()
             self._expire()
         self._dispatch()
+        metrics.WAITING.set(len(self.waiting))
+        metrics.WORKERS.set(len(self.workers))
+        metrics.FREE_SLOTS.set(sum(w.free for w in self.workers.values()))
 
     def _consume(self, streams: dict[str, str | bytes], block_ms: int | None) -> list:
+        """Read both streams; everything the entries cause goes to Redis in one pipeline."""
         replies = self.redis.xreadgroup(SCHEDULER_GROUP, CONSUMER, streams, count=512, block=block_ms)
+        pipe = self.redis.pipeline(transaction=False)
         for stream, entries in replies:
             if stream.decode() == self.keys.requests:
                 for entry_id, fields in entries:
-                    self._on_request(entry_id, fields or {})
+                    self._on_request(pipe, entry_id, fields or {})
             elif entries:
-                pipe = self.redis.pipeline(transaction=False)
                 for _entry_id, fields in entries:
                     self._on_event(pipe, fields or {})
                 pipe.xack(self.keys.events, SCHEDULER_GROUP, *(entry_id for entry_id, _ in entries))
-                pipe.execute()
+        pipe.execute()
         return replies
 
-    def _on_request(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+    def _stamp(self, pipe: redis.client.Pipeline, request_id: str, hop: str, **detail: str | int | float) -> None:
+        stamp(pipe, self.keys, request_id, hop, "scheduler", self.settings.trace_ttl, **detail)
+
+    def _on_request(self, pipe: redis.client.Pipeline, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         try:
             message = decode(fields[PAYLOAD], RequestMessage, self.limit)
         except (ProtocolError, KeyError) as exc:
             log.error("dropped a malformed request", extra={"entry": entry_id, "error": str(exc)})
-            self.redis.xack(self.keys.requests, SCHEDULER_GROUP, entry_id)
+            pipe.xack(self.keys.requests, SCHEDULER_GROUP, entry_id)
             return
         if isinstance(message, Cancel):
-            self.redis.xack(self.keys.requests, SCHEDULER_GROUP, entry_id)
-            self._cancel(message)
+            pipe.xack(self.keys.requests, SCHEDULER_GROUP, entry_id)
+            self._cancel(pipe, message)
             return
         self.entry_of[message.request_id] = entry_id
         if message.migrations:
             self.waiting.appendleft(message)  # it was running: it goes first
         else:
             self.waiting.append(message)
+        self._stamp(pipe, message.request_id, "queued", waiting=len(self.waiting), migrations=message.migrations)
         log.info("queued", extra={"request_id": message.request_id, "waiting": len(self.waiting),
                                   "migrations": message.migrations})
 
-    def _cancel(self, cancel: Cancel) -> None:
+    def _cancel(self, pipe: redis.client.Pipeline, cancel: Cancel) -> None:
         rid = cancel.request_id
         for submit in self.waiting:
             if submit.request_id == rid:
                 self.waiting.remove(submit)
-                pipe = self.redis.pipeline(transaction=False)
                 self._leave_queue(pipe, [submit])
                 pipe.delete(self.keys.progress(rid))
-                pipe.execute()
+                self._stamp(pipe, rid, "cancelled", where="queue")
                 log.info("cancelled while queued", extra={"request_id": rid})
                 return
         for worker in self.workers.values():
             if rid in worker.assigned:
-                self.redis.xadd(self.keys.inbox(worker.worker_id), {PAYLOAD: encode(cancel, self.limit)})
+                pipe.xadd(self.keys.inbox(worker.worker_id), {PAYLOAD: encode(cancel, self.limit)})
                 log.info("cancel forwarded", extra={"request_id": rid, "worker_id": worker.worker_id})
                 return
 
@@ -220,6 +229,8 @@ class Scheduler:
         """Put the requests of a worker that is gone back on the stream, each with the tokens it
         has already delivered, or end them with an error past the migration limit."""
         assigned = self.redis.hgetall(self.keys.assigned(worker_id))
+        if assigned:
+            metrics.WORKERS_LOST.inc()
         level = logging.WARNING if assigned else logging.INFO
         log.log(level, "worker gone", extra={"worker_id": worker_id, "in_flight": len(assigned)})
         pipe = self.redis.pipeline(transaction=False)
@@ -241,9 +252,12 @@ class Scheduler:
             error = Error("migration_limit", f"the request lost its worker {submit.migrations + 1} times")
             pipe.publish(self.keys.results(rid), encode(error, self.limit))
             pipe.delete(self.keys.progress(rid))
+            metrics.MIGRATION_FAILURES.inc()
             return
         submit.resume = delivered
         submit.migrations += 1
+        metrics.MIGRATIONS.inc()
+        self._stamp(pipe, rid, "migrated", resume_tokens=len(delivered), migrations=submit.migrations)
         log.warning("migrating", extra={"request_id": rid, "resume_tokens": len(delivered),
                                         "migrations": submit.migrations})
         pipe.xadd(self.keys.requests, {PAYLOAD: encode(submit, self.limit)}, maxlen=STREAM_MAXLEN, approximate=True)
@@ -262,6 +276,8 @@ class Scheduler:
             log.warning("timed out in the queue", extra={"request_id": submit.request_id, "waited_s": waited})
             message = Error("queue_timeout", f"no worker took the request within {waited:.1f} s")
             pipe.publish(self.keys.results(submit.request_id), encode(message, self.limit))
+            self._stamp(pipe, submit.request_id, "timed_out", waited_s=round(waited, 3))
+            metrics.QUEUE_TIMEOUTS.inc()
         pipe.execute()
 
     def _leave_queue(self, pipe: redis.client.Pipeline, submits: list[Submit]) -> None:
@@ -280,22 +296,29 @@ class Scheduler:
             return
         pipe = self.redis.pipeline(transaction=False)
         self._leave_queue(pipe, [submit for sequences in batches.values() for submit in sequences])
+        clock = now()
         for worker_id, sequences in batches.items():
             batch = Batch(uuid.uuid4().hex[:12], sequences)
             pipe.hset(self.keys.assigned(worker_id),
                       mapping={s.request_id: encode(s, self.limit) for s in sequences})
             pipe.xadd(self.keys.inbox(worker_id), {PAYLOAD: encode(batch, self.limit)},
                       maxlen=10_000, approximate=True)
+            metrics.BATCHES.inc()
             for submit in sequences:
                 self.workers[worker_id].assigned.add(submit.request_id)
+                self._stamp(pipe, submit.request_id, "dispatched", batch_id=batch.batch_id, worker_id=worker_id,
+                            batch_size=len(sequences))
+                metrics.DISPATCH_LATENCY.observe(max(clock - submit.submitted_at, 0.0))
                 log.info("dispatched", extra={"request_id": submit.request_id, "batch_id": batch.batch_id,
                                               "worker_id": worker_id})
+            metrics.DISPATCHED.inc(len(sequences))
         pipe.execute()
 
 
 def main() -> None:
     settings = Settings.from_env()
     setup_logging("scheduler", settings.log_level)
+    serve_metrics(settings.scheduler_metrics_port, "scheduler")
     scheduler = Scheduler(settings)
 
     def stop(_signum: int, _frame: object) -> None:

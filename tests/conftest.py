@@ -50,6 +50,7 @@ STACK_WORKERS = 2
 @pytest.fixture(scope="session")
 def stack() -> Iterator[RunningStack]:
     """Gateway, scheduler and two workers, each its own process, on the real model."""
-    settings = {"NAMESPACE": "test", "WORKER_THREADS": "1", "HEARTBEAT_INTERVAL": "0.3", "WORKER_TTL": "2"}
+    settings = {"NAMESPACE": "test", "WORKER_THREADS": "1", "HEARTBEAT_INTERVAL": "0.3", "WORKER_TTL": "2",
+                "SCHEDULER_METRICS_PORT": str(free_port()), "WORKER_METRICS_PORT": str(free_port())}
     with private_stack(STACK_WORKERS, **settings) as running:
         yield RunningStack(running.url, redis.Redis.from_url(running.redis_url), Keys("test"), running.stack)

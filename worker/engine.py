@@ -102,11 +102,16 @@ class Engine:
         self.slots = slots
         self.waiting: deque[Sequence] = deque()
         self.batch: _Batch | None = None
-        self._prefilled_last = False
+        self.last_step = "decode"
 
     @property
     def running(self) -> list[Sequence]:
         return self.batch.sequences if self.batch else []
+
+    @property
+    def cache_positions(self) -> int:
+        """KV-cache positions held, padding included (rows x width)."""
+        return self.batch.mask.numel() if self.batch else 0
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -156,11 +161,11 @@ class Engine:
         """One forward: a prefill of the newcomers that fit, else a decode of the running batch.
         A prefill is always followed by a decode, so a stream of arrivals cannot stall running work."""
         room = self.slots - len(self.running)
-        if self.waiting and room > 0 and not (self._prefilled_last and self.running):
+        if self.waiting and room > 0 and not (self.last_step == "prefill" and self.running):
             joiners = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
-            self._prefilled_last = True
+            self.last_step = "prefill"
             return self._prefill(joiners)
-        self._prefilled_last = False
+        self.last_step = "decode"
         return self._decode() if self.batch else []
 
     def _prefill(self, joiners: list[Sequence]) -> list[StepOutput]:

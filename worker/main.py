@@ -10,10 +10,10 @@ import signal
 import socket
 import time
 import uuid
+from dataclasses import dataclass
 
 import redis
 
-from common.logs import setup_logging
 from common.protocol import (
     PAYLOAD,
     Batch,
@@ -32,6 +32,9 @@ from common.protocol import (
     now,
 )
 from common.settings import Settings
+from common.telemetry import serve_metrics, setup_logging
+from common.trace import stamp
+from worker import metrics
 from worker.engine import Engine, PromptTooLong, StepOutput
 from worker.model import LoadedModel, load_model
 
@@ -39,6 +42,19 @@ log = logging.getLogger("worker")
 
 MAX_BACKOFF = 5.0
 PROGRESS_TTL_SECONDS = 3600
+
+
+@dataclass
+class Timing:
+    """When this worker took a request and sent its first token, for the trace and the metrics."""
+
+    queue_s: float
+    first_token_at: float = 0.0
+
+    def decode_summary(self, tokens: int) -> dict[str, float]:
+        """The later tokens of a request, summarised in its `finished` hop rather than stamped one by one."""
+        decode_s = now() - self.first_token_at if self.first_token_at else 0.0
+        return {"decode_ms": round(decode_s * 1000, 3), "mean_itl_ms": round(decode_s * 1000 / max(tokens - 1, 1), 3)}
 
 
 class Worker:
@@ -55,6 +71,8 @@ class Worker:
         self.drain_until: float | None = None  # set by SIGTERM
         self.stopping = False  # set by a second signal: leave now
         self.orphans: list[str] = []  # requests dropped while Redis was unreachable
+        self.timings: dict[str, Timing] = {}
+        self.metrics_port = 0
 
     def drain(self) -> None:
         """Take no new work, finish what runs (up to DRAIN_TIMEOUT), then exit; what is left
@@ -112,7 +130,7 @@ class Worker:
             return
         beat = Heartbeat(self.id, self.loaded.name, self.loaded.max_length, self.settings.worker_slots,
                          len(self.engine.running), len(self.engine.waiting), self.finished_total, now(),
-                         draining=self.drain_until is not None)
+                         draining=self.drain_until is not None, metrics_port=self.metrics_port)
         ttl_ms = int(self.settings.worker_ttl * 1000)
         pipe = self.redis.pipeline(transaction=False)
         pipe.set(self.keys.heartbeat(self.id), encode(beat, self.settings.max_message_bytes), px=ttl_ms)
@@ -137,6 +155,7 @@ class Worker:
                     self._cancel(message)
 
     def _step(self) -> None:
+        started = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception:
@@ -146,9 +165,24 @@ class Worker:
             for sequence in self.engine.abort_all():
                 self._fail(sequence.request_id, "engine_error", "the worker failed while generating")
             return
-        self._publish(outputs)
+        elapsed = time.perf_counter() - started
+        if outputs:
+            metrics.STEP_SECONDS.labels(self.engine.last_step).observe(elapsed)
+            if self.engine.last_step == "decode":
+                metrics.BATCH_SIZE.observe(len(outputs))
+            metrics.TOKENS.inc(len(outputs))
+        metrics.RUNNING.set(len(self.engine.running))
+        metrics.WAITING.set(len(self.engine.waiting))
+        metrics.KV_CACHE_TOKENS.set(self.engine.cache_positions)
+        self._publish(outputs, elapsed)
 
     def _admit(self, batch: Batch) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        for submit in batch.sequences:
+            self.timings[submit.request_id] = Timing(queue_s=max(now() - submit.submitted_at, 0.0))
+            self._stamp(pipe, submit.request_id, "admitted", batch_id=batch.batch_id,
+                        resume_tokens=len(submit.resume))
+        pipe.execute()
         for submit in batch.sequences:
             log.info("admitted", extra={"request_id": submit.request_id, "batch_id": batch.batch_id,
                                         "resume_tokens": len(submit.resume)})
@@ -165,30 +199,35 @@ class Worker:
         pipe = self.redis.pipeline(transaction=False)
         done = Done("length", len(self.loaded.prompt_ids(submit)), len(submit.resume))
         self._send(pipe, submit.request_id, done)
-        self._release(pipe, submit.request_id)
+        self._release(pipe, submit.request_id, "finished", reason="length", tokens=len(submit.resume))
         pipe.execute()
 
     def _fail(self, request_id: str, code: str, message: str) -> None:
         log.warning("request failed", extra={"request_id": request_id, "error": message})
         pipe = self.redis.pipeline(transaction=False)
         self._send(pipe, request_id, Error(code, message))
-        self._release(pipe, request_id)
+        self._release(pipe, request_id, "failed", code=code)
         pipe.execute()
 
     def _cancel(self, cancel: Cancel) -> None:
         if self.engine.cancel(cancel.request_id):
             log.info("cancelled", extra={"request_id": cancel.request_id})
             pipe = self.redis.pipeline(transaction=False)
-            self._release(pipe, cancel.request_id)
+            self._release(pipe, cancel.request_id, "cancelled")
             pipe.execute()
 
-    def _publish(self, outputs: list[StepOutput]) -> None:
+    def _publish(self, outputs: list[StepOutput], step_s: float) -> None:
         """One round trip to Redis per engine step, whatever the batch size."""
         if not outputs:
             return
         pipe = self.redis.pipeline(transaction=False)
         for out in outputs:
             rid = out.sequence.request_id
+            timing = self.timings.get(rid)
+            if timing and not timing.first_token_at:
+                timing.first_token_at = now()
+                self._stamp(pipe, rid, "prefill_done", prefill_ms=round(step_s * 1000, 3))
+                self._stamp(pipe, rid, "first_token", index=out.index)
             self._send(pipe, rid, Token(out.index, out.text, out.logprob, out.top_logprobs))
             # Published first, recorded second: a worker lost in between makes its successor
             # repeat this token, which the gateway drops by its index, rather than skip it.
@@ -196,8 +235,10 @@ class Worker:
             if out.index == 0:
                 pipe.expire(self.keys.progress(rid), PROGRESS_TTL_SECONDS)
             if out.finish_reason:
-                self._send(pipe, rid, Done(out.finish_reason, len(out.sequence.prompt_ids), out.index + 1))
-                self._release(pipe, rid)
+                queue_s = timing.queue_s if timing else 0.0
+                self._send(pipe, rid, Done(out.finish_reason, len(out.sequence.prompt_ids), out.index + 1, queue_s))
+                self._release(pipe, rid, "finished", reason=out.finish_reason, tokens=out.index + 1,
+                              **(timing.decode_summary(out.index + 1) if timing else {}))
                 log.info("finished", extra={"request_id": rid, "finish_reason": out.finish_reason,
                                             "completion_tokens": out.index + 1})
         pipe.execute()
@@ -205,8 +246,15 @@ class Worker:
     def _send(self, pipe: redis.client.Pipeline, request_id: str, result: Token | Done | Error) -> None:
         pipe.publish(self.keys.results(request_id), encode(result, self.settings.max_message_bytes))
 
-    def _release(self, pipe: redis.client.Pipeline, request_id: str) -> None:
+    def _stamp(self, pipe: redis.client.Pipeline, request_id: str, hop: str, **detail: str | int | float) -> None:
+        stamp(pipe, self.keys, request_id, hop, "worker", self.settings.trace_ttl, **detail)
+
+    def _release(self, pipe: redis.client.Pipeline, request_id: str, hop: str, **detail: str | int | float) -> None:
+        """The request leaves this worker (`hop` says how): its slot goes back to the scheduler."""
         self.finished_total += 1
+        self.timings.pop(request_id, None)
+        metrics.FINISHED.labels(hop).inc()
+        self._stamp(pipe, request_id, hop, worker_id=self.id, **detail)
         pipe.delete(self.keys.progress(request_id))
         event = Finished(self.id, request_id)
         pipe.xadd(self.keys.events, {PAYLOAD: encode(event, self.settings.max_message_bytes)},
@@ -217,6 +265,7 @@ def main() -> None:
     settings = Settings.from_env()
     setup_logging("worker", settings.log_level)
     worker = Worker(settings, load_model(settings))
+    worker.metrics_port = serve_metrics(settings.worker_metrics_port, "worker")
 
     def drain(_signum: int, _frame: object) -> None:
         worker.drain()

@@ -1,4 +1,5 @@
-"""JSON log lines; fields passed as `extra` (request_id, worker_id, batch_id...) become keys."""
+"""JSON log lines (fields passed as `extra`, such as request_id, become keys) and the
+Prometheus endpoint of the services that have no HTTP server of their own."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import json
 import logging
 import sys
 import time
+
+from prometheus_client import start_http_server
 
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "taskName", "color_message"}
 
@@ -30,3 +33,17 @@ def setup_logging(service: str, level: str) -> None:
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
     for noisy in ("httpx", "transformers", "uvicorn.access"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def serve_metrics(port: int, service: str, tries: int = 64) -> int:
+    """Serve Prometheus metrics on `port`, or the next free one (several workers may share a host);
+    returns the port, or 0 if none was free."""
+    for candidate in range(port, port + tries):
+        try:
+            start_http_server(candidate)
+        except OSError:
+            continue
+        logging.getLogger(service).info("metrics served", extra={"port": candidate})
+        return candidate
+    logging.getLogger(service).warning("no free port for metrics", extra={"from_port": port})
+    return 0

@@ -1,0 +1,18 @@
+"""The scheduler's Prometheus metrics, served on SCHEDULER_METRICS_PORT."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+WAITING = Gauge("llmserve_scheduler_waiting", "Requests waiting for a worker")
+WORKERS = Gauge("llmserve_scheduler_live_workers", "Workers with a live heartbeat")
+FREE_SLOTS = Gauge("llmserve_scheduler_free_slots", "Free slots over all live workers")
+DISPATCH_LATENCY = Histogram("llmserve_scheduler_dispatch_latency_seconds",
+                             "From the gateway accepting a request to its dispatch to a worker",
+                             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120))
+DISPATCHED = Counter("llmserve_scheduler_dispatched_total", "Requests sent to workers")
+BATCHES = Counter("llmserve_scheduler_batches_total", "Batches sent to workers")
+MIGRATIONS = Counter("llmserve_scheduler_migrations_total", "Requests moved off a lost worker")
+QUEUE_TIMEOUTS = Counter("llmserve_scheduler_queue_timeouts_total", "Requests dropped after their queue deadline")
+MIGRATION_FAILURES = Counter("llmserve_scheduler_migration_limit_total", "Requests failed past the migration limit")
+WORKERS_LOST = Counter("llmserve_scheduler_workers_lost_total", "Workers gone with requests in flight")

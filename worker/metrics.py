@@ -1,0 +1,15 @@
+"""The worker's Prometheus metrics, served on WORKER_METRICS_PORT (or the next free port)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+RUNNING = Gauge("llmserve_worker_running", "Sequences in the running batch")
+WAITING = Gauge("llmserve_worker_waiting", "Sequences admitted but not yet prefilled")
+BATCH_SIZE = Histogram("llmserve_worker_batch_size", "Sequences per decode step",
+                       buckets=(1, 2, 4, 8, 12, 16, 24, 32, 64, 128))
+STEP_SECONDS = Histogram("llmserve_worker_step_seconds", "Duration of one engine step", ["kind"],
+                         buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
+TOKENS = Counter("llmserve_worker_generated_tokens_total", "Tokens generated (rate() gives tokens/s)")
+KV_CACHE_TOKENS = Gauge("llmserve_worker_kv_cache_positions", "Positions held in the KV cache (rows x width)")
+FINISHED = Counter("llmserve_worker_finished_total", "Sequences that left the worker", ["reason"])
