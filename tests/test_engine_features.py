@@ -206,6 +206,12 @@ def test_logprobs_of_a_sampled_row_and_the_bounds_of_the_count(loaded: LoadedMod
     assert all(out.top_logprobs == [] and out.logprob.logprob <= 0 for out in bare)
 
 
+def logprob_values(outputs: list[StepOutput]) -> list[float]:
+    """Every log-probability of a completion, chosen and alternatives, flattened in order."""
+    return [value for out in outputs if out.logprob is not None
+            for value in (out.logprob.logprob, *(top.logprob for top in out.top_logprobs))]
+
+
 def test_the_features_mixed_in_a_batch_do_not_change_any_request(loaded: LoadedModel) -> None:
     words = "".join(texts(solo(loaded, "b"))).split()
     requests = {
@@ -224,6 +230,7 @@ def test_the_features_mixed_in_a_batch_do_not_change_any_request(loaded: LoadedM
         assert tokens(mixed[name]) == tokens(single), name
         assert texts(mixed[name]) == texts(single), name
         assert reasons(mixed[name]) == reasons(single), name
-        assert [out.logprob for out in mixed[name]] == [out.logprob for out in single], name
-        assert [out.top_logprobs for out in mixed[name]] == [out.top_logprobs for out in single], name
+        # The same tokens with the same log-probabilities, up to float rounding: a batch of another
+        # shape takes other matrix kernels, which round differently in the last bits.
+        assert logprob_values(mixed[name]) == pytest.approx(logprob_values(single), abs=1e-4), name
     assert reasons(mixed["stopped"])[-1] == "stop"

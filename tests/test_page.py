@@ -19,7 +19,6 @@ from selenium import webdriver
 from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
-from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
 STATIC = Path(__file__).parents[1] / "gateway" / "static"
@@ -38,7 +37,7 @@ UNKNOWN = "\N{EN DASH}"  # what the page shows for a figure not known yet
 
 
 @pytest.fixture(scope="module")
-def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebDriver]:
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[webdriver.Chrome]:
     if not CHROMIUM or not CHROMEDRIVER:
         pytest.skip("Debian's chromium is not installed (apt-get install -y chromium chromium-driver)")
     options = webdriver.ChromeOptions()
@@ -56,23 +55,23 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebDriver]:
         driver.quit()
 
 
-def wait(browser: WebDriver, what: str, condition: Callable[[], object], timeout: float = WAIT) -> None:
+def wait(browser: webdriver.Chrome, what: str, condition: Callable[[], object], timeout: float = WAIT) -> None:
     # The page redraws what it shows (stale elements) and shows UNKNOWN until a figure is known (ValueError).
     WebDriverWait(browser, timeout, ignored_exceptions=(StaleElementReferenceException, ValueError)).until(
         lambda _: condition(), message=f"the page never showed {what}")
 
 
-def text(browser: WebDriver, element_id: str) -> str:
+def text(browser: webdriver.Chrome, element_id: str) -> str:
     return browser.find_element(By.ID, element_id).get_attribute("textContent")
 
 
-def fill(browser: WebDriver, element_id: str, value: str) -> None:
+def fill(browser: webdriver.Chrome, element_id: str, value: str) -> None:
     field = browser.find_element(By.ID, element_id)
     field.clear()
     field.send_keys(value)
 
 
-def send_and_watch(browser: WebDriver) -> list[tuple[float, int]]:
+def send_and_watch(browser: webdriver.Chrome) -> list[tuple[float, int]]:
     """Sends the form, waits for the answer to end, and returns (ms, length) each time its text grew."""
     before = text(browser, "request-id")
     browser.execute_script("window.growth = [];")
@@ -89,7 +88,7 @@ def assert_streamed(growth: list[tuple[float, int]], answer: str) -> None:
     assert growth[-1][0] - growth[0][0] > 10, "every piece arrived at once"
 
 
-def assert_figures(browser: WebDriver, tokens: int, finish: str) -> None:
+def assert_figures(browser: webdriver.Chrome, tokens: int, finish: str) -> None:
     assert float(text(browser, "ttft")) > 0
     assert float(text(browser, "tps")) > 0
     assert text(browser, "tokens") == str(tokens)
@@ -113,7 +112,7 @@ def test_the_page_and_only_its_files_are_served_without_external_resources(stack
 
 
 def test_the_page_streams_answers_and_shows_the_cluster_and_their_journeys(stack: RunningStack,
-                                                                          browser: WebDriver) -> None:
+                                                                          browser: webdriver.Chrome) -> None:
     model = httpx.get(f"{stack.url}/v1/models").json()["data"][0]["id"]
     question = "What is the capital of France?"
     settings = {"model": model, "max_tokens": 12, "temperature": 0}
@@ -185,7 +184,8 @@ def test_the_page_streams_answers_and_shows_the_cluster_and_their_journeys(stack
         assert all(len(hops) >= 3 for _, hops in journeys())
     finally:
         SCREENSHOT.parent.mkdir(exist_ok=True)
-        # The whole page, not just the first screenful.
+        # The whole page, not just the first screenful: a headless window cannot outgrow its screen, a viewport can.
         height = browser.execute_script("return document.documentElement.scrollHeight;")
-        browser.set_window_size(1400, height + 100)
+        browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                                {"width": 1400, "height": height, "deviceScaleFactor": 1, "mobile": False})
         browser.save_screenshot(str(SCREENSHOT))

@@ -6,9 +6,10 @@ const $ = (id) => document.getElementById(id);
 const SVG = "http://www.w3.org/2000/svg";
 const REFRESH_MS = 2000;
 const MAX_JOURNEYS = 10;
-// A trace can gain its last hops just after the stream ends; keep asking this long after the end.
+// A trace can gain its last hops just after the stream ends (each service notes a cancel when it gets to it);
+// unless it reached the last hop, keep asking this long after the end.
 const TRACE_PATIENCE_MS = 10000;
-const LAST_HOPS = new Set(["delivered", "cancelled"]);
+const LAST_HOP = "delivered";
 const HISTORY_SECONDS = 300;
 
 // Names of the stretches between consecutive hops; any other pair is named by its two hops.
@@ -19,7 +20,7 @@ const PHASES = {
 };
 const COLOURS = {
   admit: "#98a2b3", queue: "#f79009", "to worker": "#7a5af8", prefill: "#2e90fa", "first token": "#0ba5ec",
-  decode: "#12b76a", deliver: "#667085",
+  decode: "#12b76a", deliver: "#667085", cancelled: "#f04438",
 };
 
 const state = {
@@ -64,6 +65,7 @@ function showError(message) {
 }
 
 function formatMs(ms) {
+  if (ms === 0) return "0";
   return ms < 10 ? ms.toFixed(1) : Math.round(ms).toString();
 }
 
@@ -218,6 +220,7 @@ async function send(event) {
     if (error.name === "AbortError") {
       finish = "stopped";
     } else {
+      finish = "error";
       showError(error.message);
       // Give the failed message back so that it can be sent again.
       if (chat && !$("prompt").value) $("prompt").value = prompt;
@@ -377,7 +380,7 @@ async function refreshTrace(journey) {
   } catch (error) {
     journey.note = error.message;
   }
-  const finished = journey.trace && journey.trace.events.some((e) => LAST_HOPS.has(e.hop));
+  const finished = journey.trace && journey.trace.events.some((e) => e.hop === LAST_HOP);
   journey.settled = finished || (journey.ended !== null && Date.now() - journey.ended > TRACE_PATIENCE_MS);
   if (journey.settled && !journey.trace) journey.note = journey.note || "no trace was recorded";
 }
@@ -393,8 +396,9 @@ function segments(events) {
   const origin = events[0].at;
   return events.slice(1).map((to, i) => {
     const from = events[i];
-    const name = PHASES[`${from.hop}>${to.hop}`] || `${from.hop} → ${to.hop}`;
-    const colour = to.hop === "cancelled" ? "#f04438" : COLOURS[name] || "#98a2b3";
+    // Every service that drops a cancelled request says so: all those stretches are one "cancelled".
+    const name = to.hop === "cancelled" ? "cancelled" : PHASES[`${from.hop}>${to.hop}`] || `${from.hop} → ${to.hop}`;
+    const colour = COLOURS[name] || "#98a2b3";
     return { name, colour, from, to, start: (from.at - origin) * 1000, ms: (to.at - from.at) * 1000 };
   });
 }
@@ -451,7 +455,17 @@ function drawWaterfall() {
     }
     root.append(group);
   });
-  box.replaceChildren(root);
+  // The short stretches are too narrow for their names: the legend names every colour drawn.
+  const legend = el("div", "legend");
+  const named = new Map(rows.flatMap((r) => r.parts.map((p) => [p.name, p.colour])));
+  for (const [name, colour] of named) {
+    const swatch = el("span", "swatch");
+    swatch.style.background = colour;
+    const item = el("span", "legend-item");
+    item.append(swatch, name);
+    legend.append(item);
+  }
+  box.replaceChildren(root, legend);
 }
 
 // ---------- start ----------
