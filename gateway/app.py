@@ -10,7 +10,7 @@ from fastapi import FastAPI
 
 from common.settings import Settings
 from common.telemetry import setup_logging
-from gateway import errors, observe, openai_api, routes
+from gateway import errors, observe, openai_api, page, routes
 from gateway.bus import Bus
 from gateway.metrics import CountRequests
 from gateway.middleware import Guard
@@ -30,6 +30,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(routes.router)
     app.include_router(openai_api.router)
     app.include_router(observe.router)
+    app.include_router(page.router)
     keys = [key.strip() for key in settings.api_keys.split(",") if key.strip()]
     app.add_middleware(Guard, api_keys=keys, max_body=settings.max_message_bytes)
     # Outermost, so that refusals by the guard are counted too.

@@ -9,7 +9,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import ApiError
 
-OPEN_PATHS = {"/health"}
+# The page itself carries no data; the calls it makes need the key the user types in.
+OPEN_PATHS = {"/health", "/", "/static/app.js", "/static/style.css"}
 
 
 async def _reply(send: Send, error: ApiError) -> None:
