@@ -61,7 +61,7 @@ async def one_stream(client: httpx.AsyncClient, prompt: str, fault_at: list[floa
     return {"outcome": outcome, "indexes": indexes, "text": text, "gap": gap}
 
 
-async def scenario(running: PrivateStack, fault: Callable[[], None], expected: dict[str, str],
+async def scenario(running: PrivateStack, fault: Callable[[list[float]], None], expected: dict[str, str],
                    streams: int, extra_after_fault: int = 0) -> dict[str, object]:
     fault_at: list[float] = []
     r = redis.Redis.from_url(running.redis_url)
@@ -69,8 +69,8 @@ async def scenario(running: PrivateStack, fault: Callable[[], None], expected: d
     async with httpx.AsyncClient(base_url=running.url, timeout=300) as client:
         tasks = [asyncio.create_task(one_stream(client, PROMPTS[i % len(PROMPTS)], fault_at)) for i in range(streams)]
         await asyncio.sleep(3)  # all streams are running by now
-        fault_at.append(time.monotonic())
-        await asyncio.get_running_loop().run_in_executor(None, fault)
+        # The fault appends the moment it strikes to fault_at.
+        await asyncio.get_running_loop().run_in_executor(None, fault, fault_at)
         later = [asyncio.create_task(one_stream(client, PROMPTS[i % len(PROMPTS)], []))
                  for i in range(extra_after_fault)]
         results = await asyncio.gather(*tasks, *later)
@@ -135,25 +135,28 @@ def main() -> None:
         def scheduler() -> object:
             return next(p for name, p in running.stack.processes if name == "scheduler" and p.poll() is None)
 
-        def restart_scheduler() -> None:
+        def restart_scheduler(fault_at: list[float]) -> None:
             scheduler().kill()
+            fault_at.append(time.monotonic())
             time.sleep(2)
             running.stack.spawn("scheduler")
 
-        def restart_redis() -> None:
+        def restart_redis(fault_at: list[float]) -> None:
             running.stop_redis()
+            fault_at.append(time.monotonic())
             time.sleep(1)
             running.start_redis()
 
         stopped: list[int] = []
 
-        def signal_busiest(signum: int) -> None:
+        def signal_busiest(signum: int, fault_at: list[float]) -> None:
             stopped.append(busiest_worker(running))
             os.kill(stopped[-1], signum)
+            fault_at.append(time.monotonic())
 
         faults = {
-            "worker_kill_9": lambda: signal_busiest(signal.SIGKILL),
-            "worker_sigterm_drain": lambda: signal_busiest(signal.SIGTERM),
+            "worker_kill_9": lambda fault_at: signal_busiest(signal.SIGKILL, fault_at),
+            "worker_sigterm_drain": lambda fault_at: signal_busiest(signal.SIGTERM, fault_at),
             "scheduler_kill_9_restart": restart_scheduler,
             "redis_restart": restart_redis,
         }

@@ -234,3 +234,10 @@ def test_the_features_mixed_in_a_batch_do_not_change_any_request(loaded: LoadedM
         # shape takes other matrix kernels, which round differently in the last bits.
         assert logprob_values(mixed[name]) == pytest.approx(logprob_values(single), abs=1e-4), name
     assert reasons(mixed["stopped"])[-1] == "stop"
+
+
+def test_a_vanishing_temperature_samples_greedily_instead_of_failing() -> None:
+    logits = torch.tensor([[1.0, 3.0, 2.0], [0.5, 0.1, 0.2]])
+    params = [SamplingParams(temperature=1e-300, top_p=1e-300), SamplingParams(temperature=5e-6)]
+    chosen, _ = sample(logits, params, [torch.Generator().manual_seed(1)] * 2, [[], []], [[], []])
+    assert chosen == [1, 0]

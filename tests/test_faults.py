@@ -13,9 +13,11 @@ import httpx
 import pytest
 import redis
 
-from common.protocol import Keys
+from common.protocol import Error, Keys, Result, SamplingParams, Submit, decode
+from common.settings import Settings
 from llmserve.launcher import PrivateStack, Stack, free_port, private_stack
 from llmserve.launcher import wait_until as wait_for
+from scheduler.main import Scheduler
 from tests.conftest import responds
 from tests.sse import events
 
@@ -165,6 +167,7 @@ def test_a_standby_scheduler_takes_over_queued_requests(chaos: PrivateStack) -> 
 
 def test_redis_restart_fails_in_flight_requests_clearly_and_service_resumes(chaos: PrivateStack) -> None:
     seen: list[str] = []
+    alive = [process for _, process in chaos.stack.processes if process.poll() is None]
 
     def stop_redis(_request_id: str) -> None:
         chaos.stop_redis()
@@ -190,4 +193,37 @@ def test_redis_restart_fails_in_flight_requests_clearly_and_service_resumes(chao
 
     wait_for(serves, 30, "the stack to serve again", interval=0.5)
     print(f"redis restart: serving again {time.monotonic() - started:.1f} s after Redis came back")
-    assert all(p.poll() is None for _, p in chaos.stack.processes)
+    assert all(process.poll() is None for process in alive)  # no service had to restart
+
+
+def test_requests_wait_for_a_worker_and_run_when_one_comes(chaos: PrivateStack) -> None:
+    """A namespace whose only worker starts after the request arrived."""
+    port = free_port()
+    services = Stack({**chaos.stack.env, "NAMESPACE": "late", "GATEWAY_PORT": str(port)})
+    for name in ("scheduler", "gateway"):
+        services.spawn(name)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: responds(f"{url}/health"), 30, "the gateway")
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(httpx.post, f"{url}/generate", json={"prompt": "Hi", "max_tokens": 3}, timeout=180)
+            time.sleep(2)
+            assert not answer.done()
+            services.spawn("worker")
+            assert answer.result().status_code == 200
+    finally:
+        services.stop()
+
+
+def test_past_the_migration_limit_the_client_gets_a_clear_error(chaos: PrivateStack) -> None:
+    scheduler = Scheduler(Settings(redis_url=chaos.redis_url, namespace="limit", migration_limit=2))
+    listener = client_of(chaos).pubsub()
+    listener.subscribe(Keys("limit").results("r1"))
+    wait_for(lambda: listener.get_message(timeout=1), 5, "the subscription")
+    pipe = scheduler.redis.pipeline()
+    scheduler._migrate(pipe, Submit("r1", SamplingParams(), prompt="x", migrations=2), [5, 6])
+    pipe.execute()
+    message = wait_for(lambda: listener.get_message(timeout=1), 5, "the error")
+    error = decode(message["data"], Result, 1 << 20)
+    assert isinstance(error, Error) and error.code == "migration_limit"
+    assert client_of(chaos).xlen(Keys("limit").requests) == 0  # not re-queued

@@ -13,6 +13,8 @@ from common.protocol import SamplingParams
 
 # The most alternatives a row may ask log-probabilities for (OpenAI's limit).
 MAX_TOP_LOGPROBS = 20
+# Below this temperature sampling is greedy in all but name, and dividing by it would overflow.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass
@@ -25,7 +27,7 @@ class Logprobs:
 
 
 def new_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
-    if params.temperature == 0:
+    if params.temperature < GREEDY_BELOW:
         return None
     generator = torch.Generator(device=device)
     if params.seed is None:
@@ -49,7 +51,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         if tokens:
             logits[row, tokens] = float("-inf")
     chosen = logits.argmax(dim=-1)
-    sampled_rows = [row for row, p in enumerate(params) if p.temperature > 0]
+    sampled_rows = [row for row, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
     if sampled_rows:
         rows = torch.tensor(sampled_rows, device=logits.device)
         picked = _sample_rows(logits[rows], [params[r] for r in sampled_rows], [generators[r] for r in sampled_rows])
