@@ -241,3 +241,12 @@ def test_a_vanishing_temperature_samples_greedily_instead_of_failing() -> None:
     params = [SamplingParams(temperature=1e-300, top_p=1e-300), SamplingParams(temperature=5e-6)]
     chosen, _ = sample(logits, params, [torch.Generator().manual_seed(1)] * 2, [[], []], [[], []])
     assert chosen == [1, 0]
+
+
+def test_stop_strings_wait_for_min_tokens(loaded: LoadedModel) -> None:
+    plain = solo(loaded, "b")
+    word = " " + "".join(texts(plain)).split()[3]
+    forced = solo(loaded, "b", replace(GREEDY, stop=(word,), min_tokens=GREEDY.max_tokens))
+    assert tokens(forced) == tokens(plain) and texts(forced) == texts(plain)
+    assert reasons(forced)[-1] == "length"
+    assert reasons(solo(loaded, "b", replace(GREEDY, stop=(word,))))[-1] == "stop"

@@ -38,6 +38,10 @@ class Sequence:
     stops: StopMatcher | None
     output_ids: list[int] = field(default_factory=list)
 
+    def watches_stops(self) -> bool:
+        """Stop strings count only once `min_tokens` are out, as in vLLM."""
+        return self.stops is not None and len(self.output_ids) > self.params.min_tokens
+
 
 @dataclass
 class StepOutput:
@@ -133,7 +137,7 @@ class Engine:
             # of a stop string) exactly as the lost worker had it.
             sequence.output_ids.append(token)
             text = sequence.detokenizer.push(token)
-            if sequence.stops is not None:
+            if sequence.watches_stops():
                 sequence.stops.push(text, last=False)
         self.waiting.append(sequence)
         return sequence
@@ -218,7 +222,7 @@ class Engine:
         sequence.output_ids.append(token)
         reason = self._finish_reason(sequence, token)
         text = "" if reason == "stop" else sequence.detokenizer.push(token)
-        if sequence.stops is not None:
+        if sequence.watches_stops():
             # On the last token nothing stays held: text that waited on a stop string goes out with it.
             text, stopped = sequence.stops.push(text, last=reason is not None)
             reason = "stop" if stopped else reason
