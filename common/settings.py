@@ -31,6 +31,9 @@ class Settings:
     trace_ttl: float = 600.0
     scheduler_metrics_port: int = 9101
     worker_metrics_port: int = 9102
+    engine: str = "hf"
+    sim_step_ms: float = 20.0
+    sim_step_per_seq_ms: float = 0.5
     log_level: str = "INFO"
 
     @classmethod

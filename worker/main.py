@@ -37,6 +37,7 @@ from common.trace import stamp
 from worker import metrics
 from worker.engine import Engine, PromptTooLong, StepOutput
 from worker.model import LoadedModel, load_model
+from worker.sim import SimEngine, SimModel
 
 log = logging.getLogger("worker")
 
@@ -58,13 +59,13 @@ class Timing:
 
 
 class Worker:
-    def __init__(self, settings: Settings, loaded: LoadedModel) -> None:
+    def __init__(self, settings: Settings, loaded: LoadedModel | SimModel, engine: Engine | SimEngine) -> None:
         self.settings = settings
         self.keys = Keys(settings.namespace)
         self.redis = redis.Redis.from_url(settings.redis_url)
         self.id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.loaded = loaded
-        self.engine = Engine(loaded, settings.worker_slots)
+        self.engine = engine
         self.inbox_cursor = "0-0"
         self.finished_total = 0
         self.next_heartbeat = 0.0
@@ -261,10 +262,19 @@ class Worker:
                   maxlen=100_000, approximate=True)
 
 
+def build_engine(settings: Settings) -> tuple[LoadedModel | SimModel, Engine | SimEngine]:
+    if settings.engine == "sim":
+        model = SimModel()
+        return model, SimEngine(model, settings.worker_slots, settings.sim_step_ms / 1000,
+                                settings.sim_step_per_seq_ms / 1000)
+    loaded = load_model(settings)
+    return loaded, Engine(loaded, settings.worker_slots)
+
+
 def main() -> None:
     settings = Settings.from_env()
     setup_logging("worker", settings.log_level)
-    worker = Worker(settings, load_model(settings))
+    worker = Worker(settings, *build_engine(settings))
     worker.metrics_port = serve_metrics(settings.worker_metrics_port, "worker")
 
     def drain(_signum: int, _frame: object) -> None:

@@ -1,0 +1,103 @@
+"""ENGINE=sim: a worker with no model, so that the control plane (gateway, Redis,
+scheduler, fan-out) can be measured and scaled past what the CPU model allows.
+Each step sleeps SIM_STEP_MS + SIM_STEP_PER_SEQ_MS x batch and gives every running
+sequence one word of a fixed vocabulary. For measurements only, never the default:
+it knows no end-of-sequence, stop strings or sampling; every request runs to
+`max_tokens`."""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections import deque
+from dataclasses import dataclass, field
+
+from common.protocol import SamplingParams, Submit
+from worker.engine import PromptTooLong, StepOutput
+
+VOCAB = (
+    " the", " of", " and", " to", " in", " is", " that", " it", " was", " for", " on", " are", " as", " with",
+    " his", " they", " at", " be", " this", " from", " have", " or", " by", " one", " had", " not", " but", " what",
+    " all", " were", " when", " we", " there", " can", " an", " your", " which", " their", " said", " if", " do",
+    " will", " each", " about", " how", " up", " out", " them", " then", " she", " many", " some", " so", " these",
+    " would", " other", " into", " has", " more", " her", " two", " like", " him", " see", " time", " could", " no",
+    " make", " than", " first", " been", " its", " who", " now", " people",
+)
+
+
+@dataclass
+class SimModel:
+    """What a worker needs of a model: a name, a context length and prompt token ids."""
+
+    name: str = "sim"
+    max_length: int = 8192
+
+    def prompt_ids(self, submit: Submit) -> list[int]:
+        text = submit.prompt if submit.prompt is not None else " ".join(m.content for m in submit.messages or [])
+        return [zlib.crc32(word.encode()) % len(VOCAB) for word in text.split()] or [0]
+
+
+@dataclass
+class SimSequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+
+
+def sim_token(position: int) -> int:
+    """The token at a position of the whole sequence: the same alone or in any batch."""
+    return position % len(VOCAB)
+
+
+class SimEngine:
+    """The Engine's interface, with a sleep for a forward pass."""
+
+    last_step = "decode"
+    cache_positions = 0
+
+    def __init__(self, model: SimModel, slots: int, step_s: float, per_sequence_s: float) -> None:
+        self.model = model
+        self.slots = slots
+        self.step_s = step_s
+        self.per_sequence_s = per_sequence_s
+        self.waiting: deque[SimSequence] = deque()
+        self.running: list[SimSequence] = []
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+            resume: list[int] | None = None) -> SimSequence:
+        if len(prompt_ids) + len(resume or []) >= self.model.max_length:
+            raise PromptTooLong(f"the prompt has {len(prompt_ids)} tokens; the context is {self.model.max_length}")
+        sequence = SimSequence(request_id, prompt_ids, params, list(resume or []))
+        self.waiting.append(sequence)
+        return sequence
+
+    def cancel(self, request_id: str) -> bool:
+        before = len(self.waiting) + len(self.running)
+        self.waiting = deque(s for s in self.waiting if s.request_id != request_id)
+        self.running = [s for s in self.running if s.request_id != request_id]
+        return len(self.waiting) + len(self.running) < before
+
+    def abort_all(self) -> list[SimSequence]:
+        dropped = list(self.waiting) + self.running
+        self.waiting.clear()
+        self.running = []
+        return dropped
+
+    def step(self) -> list[StepOutput]:
+        while self.waiting and len(self.running) < self.slots:
+            self.running.append(self.waiting.popleft())
+        if not self.running:
+            return []
+        time.sleep(self.step_s + self.per_sequence_s * len(self.running))
+        outputs = []
+        for sequence in self.running:
+            token = sim_token(len(sequence.prompt_ids) + len(sequence.output_ids))
+            sequence.output_ids.append(token)
+            done = len(sequence.output_ids) >= sequence.params.max_tokens
+            outputs.append(StepOutput(sequence, len(sequence.output_ids) - 1, VOCAB[token], "length" if done else None))
+        self.running = [s for s in self.running if len(s.output_ids) < s.params.max_tokens]
+        return outputs
