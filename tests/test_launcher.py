@@ -3,6 +3,7 @@ service as its own process, and Ctrl-C stopping all of them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -46,5 +47,13 @@ def test_up_starts_redis_and_every_service_and_ctrl_c_stops_them() -> None:
         assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
         assert not redis_reachable(redis_url)
     finally:
+        # A failed assertion must not leave the stack running: stop it the way Ctrl-C does, else kill it all.
         if launcher.poll() is None:
-            launcher.kill()
+            stragglers = psutil.Process(launcher.pid).children(recursive=True)
+            launcher.send_signal(signal.SIGINT)
+            try:
+                launcher.wait(60)
+            except subprocess.TimeoutExpired:
+                for process in [*stragglers, psutil.Process(launcher.pid)]:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        process.kill()
