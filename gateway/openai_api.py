@@ -17,9 +17,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from common.protocol import Done, Error, Result, Submit, Token
 from gateway.bus import Bus
 from gateway.errors import ApiError
-from gateway.routes import SSE_HEADERS, bus_of, check_max_tokens, log, sse
+from gateway.routes import SSE_HEADERS, bus_of, sse, submits_for
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, OpenAIFields
-from gateway.streams import ClientGone, collect, start
+from gateway.streams import collect, start
 
 router = APIRouter(prefix="/v1")
 
@@ -103,13 +103,8 @@ async def _prepare(bus: Bus, body: OpenAIFields, prompts: list[str | None], logp
     if body.model not in models:
         raise ApiError(404, f"the model '{body.model}' does not exist; served: {', '.join(models)}",
                        "model_not_found", "model")
-    await check_max_tokens(bus, body.max_tokens)
     messages = chat.chat_messages() if chat else None
-    submits = [body.submit(prompt=p, messages=messages, seed_offset=i, logprobs=logprobs,
-                           queue_timeout=bus.settings.queue_timeout) for p in prompts for i in range(body.n)]
-    for submit in submits:
-        log.info("received", extra={"request_id": submit.request_id})
-    return submits
+    return await submits_for(bus, body, prompts, body.n, messages, logprobs)
 
 
 async def _chunks(stack: AsyncExitStack, shape: Shape, head: dict[str, object], n: int, include_usage: bool,
@@ -140,14 +135,11 @@ async def _respond(request: Request, body: OpenAIFields, shape: Shape, submits: 
     rid = submits[0].request_id
     head = {"id": f"{'chatcmpl' if shape.chat else 'cmpl'}-{rid}", "object": shape.chunk_object,
             "created": int(time.time()), "model": body.model}
-    try:
-        if body.stream:
-            stack, results = await start(bus, request, submits)
-            return StreamingResponse(_chunks(stack, shape, head, body.n, body.include_usage(), results),
-                                     media_type="text/event-stream", headers={**SSE_HEADERS, "X-Request-Id": rid})
-        collected = await collect(bus, request, submits)
-    except ClientGone:
-        return Response(status_code=499)
+    if body.stream:
+        stack, results = await start(bus, request, submits)
+        return StreamingResponse(_chunks(stack, shape, head, body.n, body.include_usage(), results),
+                                 media_type="text/event-stream", headers={**SSE_HEADERS, "X-Request-Id": rid})
+    collected = await collect(bus, request, submits)
     choices, dones = [], []
     for index, results in enumerate(collected):
         tokens = [r for r in results if isinstance(r, Token)]

@@ -8,14 +8,14 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from redis import RedisError
 
-from common.protocol import Done, Result, Submit, Token
+from common.protocol import ChatMessage, Done, Result, Submit, Token
 from gateway.bus import Bus
 from gateway.errors import ApiError
-from gateway.schemas import GenerateRequest
-from gateway.streams import ClientGone, collect, start
+from gateway.schemas import GenerateRequest, SamplingFields
+from gateway.streams import collect, start
 
 log = logging.getLogger("gateway")
 router = APIRouter()
@@ -32,9 +32,12 @@ def sse(data: object, event: str | None = None, event_id: int | None = None) -> 
     return f"{head}data: {payload}\n\n"
 
 
-async def submits_for(bus: Bus, body: GenerateRequest) -> list[Submit]:
+async def submits_for(bus: Bus, body: SamplingFields, prompts: list[str | None], choices: int = 1,
+                      messages: list[ChatMessage] | None = None, logprobs: int | None = None) -> list[Submit]:
+    """One Submit per prompt and choice, each with its own request_id (choice i samples with seed + i)."""
     await check_max_tokens(bus, body.max_tokens)
-    submits = [body.submit(prompt=p, queue_timeout=bus.settings.queue_timeout) for p in body.prompt_list()]
+    submits = [body.submit(prompt=p, messages=messages, seed_offset=i, logprobs=logprobs,
+                           queue_timeout=bus.settings.queue_timeout) for p in prompts for i in range(choices)]
     for submit in submits:
         log.info("received", extra={"request_id": submit.request_id})
     return submits
@@ -68,27 +71,21 @@ async def _seed_events(stack: AsyncExitStack, submit: Submit, results: AsyncIter
 
 
 @router.post("/generate_stream", summary="Stream one completion as server-sent events")
-async def generate_stream(body: GenerateRequest, request: Request) -> Response:
+async def generate_stream(body: GenerateRequest, request: Request) -> StreamingResponse:
     if body.prompt is None:
         raise ApiError(400, "/generate_stream takes one 'prompt'", "invalid_value", "prompt")
     bus = bus_of(request)
-    submits = await submits_for(bus, body)
-    try:
-        stack, results = await start(bus, request, submits)
-    except ClientGone:
-        return Response(status_code=499)
+    submits = await submits_for(bus, body, body.prompt_list())
+    stack, results = await start(bus, request, submits)
     return StreamingResponse(_seed_events(stack, submits[0], results), media_type="text/event-stream",
                              headers={**SSE_HEADERS, "X-Request-Id": submits[0].request_id})
 
 
 @router.post("/generate", summary="Whole completions for one prompt or a list of prompts")
-async def generate(body: GenerateRequest, request: Request) -> Response:
+async def generate(body: GenerateRequest, request: Request) -> JSONResponse:
     bus = bus_of(request)
-    submits = await submits_for(bus, body)
-    try:
-        collected = await collect(bus, request, submits)
-    except ClientGone:
-        return Response(status_code=499)
+    submits = await submits_for(bus, body, body.prompt_list())
+    collected = await collect(bus, request, submits)
     answers = []
     for submit, results in zip(submits, collected, strict=True):
         text = "".join(r.text for r in results if isinstance(r, Token))

@@ -13,7 +13,7 @@ from fastapi import Request
 
 from common.protocol import Error, Result, Submit
 from gateway.bus import Bus, QueueFull
-from gateway.errors import ApiError
+from gateway.errors import ApiError, ClientGone
 
 T = TypeVar("T")
 
@@ -21,10 +21,6 @@ T = TypeVar("T")
 STATUS_OF_CODE = {"context_length_exceeded": 400, "queue_timeout": 503, "migration_limit": 503,
                   "redis_unavailable": 503, "engine_error": 500}
 RETRY_AFTER_SECONDS = "1"
-
-
-class ClientGone(Exception):
-    pass
 
 
 def api_error(error: Error) -> ApiError:

@@ -233,14 +233,16 @@ class Scheduler:
             metrics.WORKERS_LOST.inc()
         level = logging.WARNING if assigned else logging.INFO
         log.log(level, "worker gone", extra={"worker_id": worker_id, "in_flight": len(assigned)})
+        reads = self.redis.pipeline(transaction=False)
+        for rid in assigned:
+            reads.lrange(self.keys.progress(rid.decode()), 0, -1)
         pipe = self.redis.pipeline(transaction=False)
-        for rid, payload in assigned.items():
+        for payload, delivered in zip(assigned.values(), reads.execute(), strict=True):
             try:
                 submit = decode(payload, Submit, self.limit)
             except ProtocolError:
                 continue
-            delivered = [int(t) for t in self.redis.lrange(self.keys.progress(rid.decode()), 0, -1)]
-            self._migrate(pipe, submit, delivered)
+            self._migrate(pipe, submit, [int(t) for t in delivered])
         pipe.delete(self.keys.assigned(worker_id), self.keys.inbox(worker_id))
         pipe.srem(self.keys.workers, worker_id)
         pipe.execute()

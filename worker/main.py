@@ -183,8 +183,6 @@ class Worker:
             self.timings[submit.request_id] = Timing(queue_s=max(now() - submit.submitted_at, 0.0))
             self._stamp(pipe, submit.request_id, "admitted", batch_id=batch.batch_id,
                         resume_tokens=len(submit.resume))
-        pipe.execute()
-        for submit in batch.sequences:
             log.info("admitted", extra={"request_id": submit.request_id, "batch_id": batch.batch_id,
                                         "resume_tokens": len(submit.resume)})
             if len(submit.resume) >= submit.params.max_tokens:
@@ -194,6 +192,7 @@ class Worker:
                 self.engine.add(submit.request_id, self.loaded.prompt_ids(submit), submit.params, submit.resume)
             except PromptTooLong as exc:
                 self._fail(submit.request_id, "context_length_exceeded", str(exc))
+        pipe.execute()
 
     def _complete(self, submit: Submit) -> None:
         """A migrated request whose tokens were all delivered: only its Done went missing."""
