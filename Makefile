@@ -27,8 +27,14 @@ test: $(READY)
 lint: $(READY)
 	$(BIN)/ruff check .
 
+# Every figure of the README's benchmark table (about half an hour on 2 cores); JSON and plots in bench/results/.
 bench: $(READY)
 	$(BIN)/python bench/stack_throughput.py
+	$(BIN)/python bench/quality.py
+	$(BIN)/python bench/batching.py
+	$(BIN)/python bench/peers.py
+	$(BIN)/python bench/control_plane.py both
+	$(BIN)/python bench/worker_start.py
 
 clean:
 	rm -rf $(VENV)

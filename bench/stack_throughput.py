@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import os
 import statistics
@@ -23,15 +22,19 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT))
 
 from common.settings import Settings  # noqa: E402
+from llmserve.bench.client import Sampling, Target  # noqa: E402
+from llmserve.bench.run import Level, run_level  # noqa: E402
+from llmserve.bench.workload import Job  # noqa: E402
 from llmserve.launcher import private_stack  # noqa: E402
 from worker.model import LoadedModel, load_model  # noqa: E402
+from worker.quant import Int8Linear  # noqa: E402
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper who",
@@ -53,35 +56,11 @@ PROMPTS = [
 ]
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
-async def one_stream(client: httpx.AsyncClient, prompt: str, new_tokens: int) -> dict[str, object]:
-    body = {"prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
-    start = time.perf_counter()
-    arrivals = []
-    async with client.stream("POST", "/generate_stream", json=body) as response:
-        async for line in response.aiter_lines():
-            if line.startswith("data:") and '"index"' in line:
-                arrivals.append(time.perf_counter())
-    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
-    return {"tokens": len(arrivals), "ttft": arrivals[0] - start, "gaps": gaps}
-
-
-async def stack_round(url: str, prompts: list[str], new_tokens: int, concurrency: int) -> dict[str, object]:
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-        start = time.perf_counter()
-        results = []
-        for i in range(0, len(prompts), concurrency):
-            chunk = prompts[i:i + concurrency]
-            results += await asyncio.gather(*(one_stream(client, p, new_tokens) for p in chunk))
-        elapsed = time.perf_counter() - start
-    tokens = sum(r["tokens"] for r in results)
-    gaps = [g for r in results for g in r["gaps"]]
-    ttfts = [r["ttft"] for r in results]
-    return {"tok_s": tokens / elapsed, "tokens": tokens, "ttft": ttfts, "itl": gaps}
+def stack_round(url: str, prompts: list[str], new_tokens: int, concurrency: int) -> dict[str, object]:
+    """The prompts through the stack's native API, `concurrency` at a time, timed by `llmserve bench`'s client."""
+    jobs = [Job(prompt, new_tokens) for prompt in prompts]
+    return asyncio.run(run_level(Target(url, "native"), jobs, Sampling(temperature=0.0, ignore_eos=True),
+                                 Level(concurrency, None), show_progress=False))
 
 
 def generate_round(loaded: LoadedModel, prompts: list[str], new_tokens: int) -> float:
@@ -129,35 +108,38 @@ def main() -> None:
     loaded = load_model(Settings(worker_threads=args.threads))
     with private_stack(1, WORKER_THREADS=str(args.threads), LOG_LEVEL="WARNING") as running:
         url = running.url
-        asyncio.run(stack_round(url, PROMPTS[:2], 8, 2))  # warm-up
+        stack_round(url, PROMPTS[:2], 8, 2)  # warm-up
         generate_round(loaded, PROMPTS[:2], 8)
         stack16, generate16 = [], []
         for r in range(args.rounds):
-            stack16.append(asyncio.run(stack_round(url, PROMPTS, args.new_tokens, 16)))
+            stack16.append(stack_round(url, PROMPTS, args.new_tokens, 16))
             generate16.append(generate_round(loaded, PROMPTS, args.new_tokens))
-            print(f"round {r + 1}: stack {stack16[-1]['tok_s']:.1f} tok/s, generate {generate16[-1]:.1f} tok/s",
+            print(f"round {r + 1}: stack {stack16[-1]['output_tok_s']:.1f} tok/s, generate {generate16[-1]:.1f} tok/s",
                   flush=True)
-        stack1 = asyncio.run(stack_round(url, PROMPTS[:4], args.new_tokens, 1))
+        stack1 = stack_round(url, PROMPTS[:4], args.new_tokens, 1)
     seed = None if args.skip_seed else seed_design_round(loaded, PROMPTS, args.new_tokens)
 
-    stack_tok_s = statistics.median(r["tok_s"] for r in stack16)
+    stack_tok_s = statistics.median(r["output_tok_s"] for r in stack16)
     generate_tok_s = statistics.median(generate16)
-    ttft16 = [t for r in stack16 for t in r["ttft"]]
-    itl16 = [g for r in stack16 for g in r["itl"]]
+
+    def c16(metric: str, stat: str) -> float:
+        return statistics.median(r[metric][stat] for r in stack16)
+
     result = {
         "setup": {"prompts": len(PROMPTS), "new_tokens": args.new_tokens, "threads": args.threads,
-                  "rounds": args.rounds, "model": Settings().model, "greedy": True},
+                  "rounds": args.rounds, "model": Settings().model, "greedy": True,
+                  "int8": any(isinstance(m, Int8Linear) for m in loaded.model.modules())},
         "stack_c16_tok_s_median": stack_tok_s,
         "generate_static_b16_tok_s_median": generate_tok_s,
         "stack_over_generate": stack_tok_s / generate_tok_s,
         "seed_design_tok_s": seed,
         "stack_over_seed": stack_tok_s / seed if seed else None,
-        "c16_ttft_p50_s": percentile(ttft16, 50), "c16_ttft_p99_s": percentile(ttft16, 99),
-        "c16_itl_p50_s": percentile(itl16, 50), "c16_itl_p99_s": percentile(itl16, 99),
-        "c1_tok_s": stack1["tok_s"],
-        "c1_ttft_p50_s": percentile(stack1["ttft"], 50), "c1_ttft_p99_s": percentile(stack1["ttft"], 99),
-        "c1_itl_p50_s": percentile(stack1["itl"], 50), "c1_itl_p99_s": percentile(stack1["itl"], 99),
-        "stack_rounds_tok_s": [r["tok_s"] for r in stack16], "generate_rounds_tok_s": generate16,
+        "c16_ttft_p50_s": c16("ttft_s", "p50"), "c16_ttft_p99_s": c16("ttft_s", "p99"),
+        "c16_itl_p50_s": c16("itl_s", "p50"), "c16_itl_p99_s": c16("itl_s", "p99"),
+        "c1_tok_s": stack1["output_tok_s"],
+        "c1_ttft_p50_s": stack1["ttft_s"]["p50"], "c1_ttft_p99_s": stack1["ttft_s"]["p99"],
+        "c1_itl_p50_s": stack1["itl_s"]["p50"], "c1_itl_p99_s": stack1["itl_s"]["p99"],
+        "stack_rounds_tok_s": [r["output_tok_s"] for r in stack16], "generate_rounds_tok_s": generate16,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -5,7 +5,6 @@ the per-token cost of the metric updates on the hot paths, timed in-process."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import sys
@@ -44,8 +43,8 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, ttl in (("traced", "600"), ("untraced", "0")):
             with private_stack(1, TRACE_TTL=ttl, WORKER_THREADS="2", LOG_LEVEL="WARNING") as running:
-                asyncio.run(stack_round(running.url, PROMPTS[:2], 8, 2))  # warm-up
-                rates[name].append(asyncio.run(stack_round(running.url, PROMPTS, args.new_tokens, 16))["tok_s"])
+                stack_round(running.url, PROMPTS[:2], 8, 2)  # warm-up
+                rates[name].append(stack_round(running.url, PROMPTS, args.new_tokens, 16)["output_tok_s"])
                 print(name, f"{rates[name][-1]:.1f} tok/s", flush=True)
     traced, untraced = statistics.median(rates["traced"]), statistics.median(rates["untraced"])
     cost_us = metric_cost_per_token_us()

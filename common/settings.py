@@ -20,6 +20,8 @@ class Settings:
     worker_threads: int = 0
     worker_device: str = "auto"
     worker_dtype: str = "auto"
+    worker_quant: str = "auto"
+    worker_batching: str = "continuous"
     heartbeat_interval: float = 1.0
     worker_ttl: float = 5.0
     max_message_bytes: int = 1 << 20

@@ -108,7 +108,7 @@ async def _prepare(bus: Bus, body: OpenAIFields, prompts: list[str | None], logp
 
 
 async def _chunks(stack: AsyncExitStack, shape: Shape, head: dict[str, object], n: int, include_usage: bool,
-                  results: AsyncIterator[tuple[int, Result]]) -> AsyncIterator[str]:
+                  results: AsyncIterator[tuple[int, Result]]) -> AsyncIterator[bytes]:
     started: set[int] = set()
     dones: dict[int, Done] = {}
     async with stack:

@@ -1,9 +1,12 @@
-"""`llmserve up | gateway | scheduler | worker`."""
+"""`llmserve up | status | bench | gateway | scheduler | worker`."""
 
 from __future__ import annotations
 
 import argparse
 import os
+
+from llmserve.bench.run import add_arguments as add_bench_arguments
+from llmserve.bench.run import main as run_bench
 
 
 def main() -> None:
@@ -14,6 +17,10 @@ def main() -> None:
     status = commands.add_parser("status", help="workers, slots, queue and recent throughput, as a table")
     status.add_argument("--url", default=f"http://localhost:{os.environ.get('GATEWAY_PORT', '8000')}",
                         help="the gateway (default http://localhost:$GATEWAY_PORT)")
+    bench = commands.add_parser("bench", help="load-test this or any OpenAI-compatible server",
+                                description="Fixed concurrency or Poisson arrivals; TTFT, ITL, end-to-end "
+                                            "latency and throughput per load level; JSON and a PNG plot.")
+    add_bench_arguments(bench)
     commands.add_parser("gateway", help="run the HTTP gateway")
     commands.add_parser("scheduler", help="run the scheduler")
     commands.add_parser("worker", help="run one model worker")
@@ -28,6 +35,8 @@ def main() -> None:
         from llmserve.status import status as show_status
 
         raise SystemExit(show_status(args.url))
+    if args.command == "bench":
+        raise SystemExit(run_bench(args))
     if args.command == "gateway":
         from gateway.app import main as run
     elif args.command == "scheduler":

@@ -132,3 +132,24 @@ def test_detokenizer_never_emits_a_split_character(loaded: LoadedModel) -> None:
     assert "".join(deltas) == loaded.tokenizer.decode(ids)
     assert not any("\ufffd" in d for d in deltas)
     assert "" in deltas  # some character did span several tokens
+
+
+def test_static_batching_admits_a_batch_only_when_the_last_one_has_finished(loaded: LoadedModel) -> None:
+    engine = Engine(loaded, 16, static=True)
+    tokenizer = loaded.tokenizer
+    engine.add("a", tokenizer(PROMPTS["a"])["input_ids"], SamplingParams(max_tokens=3, temperature=0,
+                                                                          ignore_eos=True))
+    engine.step()
+    engine.add("c", tokenizer(PROMPTS["c"])["input_ids"], GREEDY)
+    served = [[o.sequence.request_id for o in engine.step()] for _ in range(3)]
+    assert served == [["a"], ["a"], ["c"]]  # "c" waits out "a" although slots are free
+    assert len(run(engine, {})["c"]) == GREEDY.max_tokens - 1  # then runs to its end alone
+
+
+def test_a_resumed_sequence_continues_exactly_as_it_would_have(loaded: LoadedModel) -> None:
+    whole = solo(loaded, "b")
+    engine = Engine(loaded, 16)
+    engine.add("b", engine.loaded.tokenizer(PROMPTS["b"])["input_ids"], GREEDY, resume=whole[:6])
+    rest = run(engine, {0: [("a", GREEDY)]})  # with a batch-mate joining in the same prefill
+    assert rest["b"] == whole[6:]
+    assert rest["a"] == solo(loaded, "a")

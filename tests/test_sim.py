@@ -45,3 +45,15 @@ def test_many_streams_over_four_sim_workers() -> None:
         r = redis.Redis.from_url(running.redis_url)
         beats = [decode(r.get(Keys("llmserve").heartbeat(w["id"])), Heartbeat, 1 << 20) for w in workers]
         assert all(beat.finished_total > 0 for beat in beats)  # the burst spread over every worker
+
+
+def test_static_sim_batching_waits_for_the_whole_batch() -> None:
+    model = SimModel()
+    engine = SimEngine(model, slots=4, step_s=0, per_sequence_s=0, static=True)
+    engine.add("short", [1], SamplingParams(max_tokens=1))
+    engine.add("long", [1], SamplingParams(max_tokens=3))
+    engine.step()
+    engine.add("late", [1], SamplingParams(max_tokens=1))
+    assert [o.sequence.request_id for o in engine.step()] == ["long"]
+    assert [o.sequence.request_id for o in engine.step()] == ["long"]
+    assert [o.sequence.request_id for o in engine.step()] == ["late"]

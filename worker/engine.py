@@ -101,16 +101,19 @@ def _pad_left(tensor: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, slots: int) -> None:
+    def __init__(self, loaded: LoadedModel, slots: int, static: bool = False) -> None:
         self.loaded = loaded
         self.slots = slots
+        # Static batching (for comparison only): a batch is admitted when the last one has wholly finished.
+        self.static = static
         self.waiting: deque[Sequence] = deque()
         self.batch: _Batch | None = None
         self.last_step = "decode"
 
     @property
     def running(self) -> list[Sequence]:
-        return self.batch.sequences if self.batch else []
+        batch = self.batch  # one read: the heartbeat thread asks while the loop may retire the batch
+        return batch.sequences if batch else []
 
     @property
     def cache_positions(self) -> int:
@@ -165,16 +168,35 @@ class Engine:
         """One forward: a prefill of the newcomers that fit, else a decode of the running batch.
         A prefill is always followed by a decode, so a stream of arrivals cannot stall running work."""
         room = self.slots - len(self.running)
-        if self.waiting and room > 0 and not (self.last_step == "prefill" and self.running):
+        if self.waiting and room > 0 and self._admits():
             joiners = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
             self.last_step = "prefill"
             return self._prefill(joiners)
         self.last_step = "decode"
         return self._decode() if self.batch else []
 
+    def _admits(self) -> bool:
+        if self.static:
+            return not self.running
+        return not (self.last_step == "prefill" and self.running)
+
     def _prefill(self, joiners: list[Sequence]) -> list[StepOutput]:
+        fresh = [s for s in joiners if not s.output_ids]
+        parts = [self._prompt_batch(fresh)] if fresh else []
+        parts += [self._replayed(s) for s in joiners if s.output_ids]
+        new, logits = parts[0][0], torch.cat([part_logits for _, part_logits in parts])
+        for other, _ in parts[1:]:
+            new.extend(other)
+        if self.batch is None:
+            self.batch = new
+        else:
+            self.batch.extend(new)
+        return self._advance(logits, first_row=len(self.batch.sequences) - len(new.sequences))
+
+    def _prompt_batch(self, sequences: list[Sequence]) -> tuple[_Batch, torch.Tensor]:
+        """Prefill the prompts together; returns their batch and each one's last logits."""
         device = self.loaded.device
-        contexts = [s.prompt_ids + s.output_ids for s in joiners]
+        contexts = [s.prompt_ids for s in sequences]
         width = max(len(c) for c in contexts)
         pad_id = self.loaded.eos_token_ids[0]
         ids = torch.tensor([[pad_id] * (width - len(c)) + c for c in contexts], device=device)
@@ -184,21 +206,29 @@ class Engine:
         logits = self.loaded.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
                                    use_cache=True, logits_to_keep=1).logits[:, -1]
         lengths = torch.tensor([len(c) for c in contexts], device=device)
-        new = _Batch(joiners, cache, mask, torch.zeros_like(lengths), lengths)
-        if self.batch is None:
-            self.batch = new
-        else:
-            self.batch.extend(new)
-        return self._advance(logits, first_row=len(self.batch.sequences) - len(joiners))
+        return _Batch(sequences, cache, mask, torch.zeros_like(lengths), lengths), logits
+
+    def _replayed(self, sequence: Sequence) -> tuple[_Batch, torch.Tensor]:
+        """A migrated sequence: its prompt prefilled, then each token already delivered fed as a decode step,
+        as the lost worker computed them. One prefill over prompt and tokens would be faster but rounds
+        differently, and with int8 activations that can change the greedy continuation."""
+        batch, logits = self._prompt_batch([sequence])
+        for token in sequence.output_ids:
+            batch.last_tokens[0] = token
+            logits = self._forward_one_token(batch)
+        return batch, logits
 
     def _decode(self) -> list[StepOutput]:
-        batch = self.batch
+        return self._advance(self._forward_one_token(self.batch), first_row=0)
+
+    def _forward_one_token(self, batch: _Batch) -> torch.Tensor:
+        """Feed each row its `last_tokens` entry; returns the logits of the next token."""
         batch.mask = F.pad(batch.mask, [0, 1], value=1)
         logits = self.loaded.model(input_ids=batch.last_tokens.unsqueeze(1), attention_mask=batch.mask,
                                    position_ids=batch.positions.unsqueeze(1), cache=batch.cache,
                                    use_cache=True).logits[:, -1]
         batch.positions = batch.positions + 1
-        return self._advance(logits, first_row=0)
+        return logits
 
     def _advance(self, logits: torch.Tensor, first_row: int) -> list[StepOutput]:
         """Sample the next token of rows first_row.. (those `logits` belong to) and retire finished rows."""

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -68,7 +69,8 @@ class Worker:
         self.engine = engine
         self.inbox_cursor = "0-0"
         self.finished_total = 0
-        self.next_heartbeat = 0.0
+        self.beat_now = threading.Event()  # set to send a heartbeat at once (draining, Redis back)
+        self.beating = True
         self.drain_until: float | None = None  # set by SIGTERM
         self.stopping = False  # set by a second signal: leave now
         self.orphans: list[str] = []  # requests dropped while Redis was unreachable
@@ -82,12 +84,14 @@ class Worker:
             self.stopping = True
             return
         self.drain_until = now() + self.settings.drain_timeout
-        self.next_heartbeat = 0.0  # tell the scheduler at once
+        self.beat_now.set()  # tell the scheduler at once
         log.info("draining", extra={"worker_id": self.id, "running": len(self.engine.running)})
 
     def run(self) -> None:
         log.info("worker ready", extra={"worker_id": self.id, "model": self.loaded.name,
                                         "slots": self.settings.worker_slots})
+        heartbeats = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
+        heartbeats.start()
         backoff = 0.1
         while not self._done():
             try:
@@ -96,6 +100,9 @@ class Worker:
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 self._lose_redis(exc, backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF)
+        self.beating = False
+        self.beat_now.set()
+        heartbeats.join()
         with contextlib.suppress(redis.RedisError):
             self.redis.srem(self.keys.workers, self.id)
             self.redis.delete(self.keys.heartbeat(self.id))
@@ -112,7 +119,6 @@ class Worker:
             for request_id in self.orphans:
                 self._fail(request_id, "redis_unavailable", "the worker lost Redis while generating")
             self.orphans = []
-        self._heartbeat_if_due()
         self._read_inbox(block=not self.engine.has_work())
         self._step()
 
@@ -123,12 +129,21 @@ class Worker:
         self.orphans += [s.request_id for s in dropped]
         log.warning("redis unreachable; retrying", extra={"worker_id": self.id, "error": str(exc),
                                                           "dropped": len(dropped), "retry_in_s": backoff})
-        self.next_heartbeat = 0.0
+        self.beat_now.set()
         time.sleep(backoff)
 
-    def _heartbeat_if_due(self) -> None:
-        if now() < self.next_heartbeat:
-            return
+    def _beat(self) -> None:
+        """Heartbeats on their own thread: one long step (a long prompt's prefill on a busy CPU) must not
+        make a working worker look lost and have its requests migrated."""
+        while self.beating:
+            try:
+                self._heartbeat()
+            except redis.RedisError as exc:
+                log.debug("heartbeat not sent", extra={"worker_id": self.id, "error": str(exc)})
+            self.beat_now.wait(self.settings.heartbeat_interval)
+            self.beat_now.clear()
+
+    def _heartbeat(self) -> None:
         beat = Heartbeat(self.id, self.loaded.name, self.loaded.max_length, self.settings.worker_slots,
                          len(self.engine.running), len(self.engine.waiting), self.finished_total, now(),
                          draining=self.drain_until is not None, metrics_port=self.metrics_port)
@@ -137,7 +152,6 @@ class Worker:
         pipe.set(self.keys.heartbeat(self.id), encode(beat, self.settings.max_message_bytes), px=ttl_ms)
         pipe.sadd(self.keys.workers, self.id)
         pipe.execute()
-        self.next_heartbeat = now() + self.settings.heartbeat_interval
 
     def _read_inbox(self, block: bool) -> None:
         wait_ms = int(self.settings.heartbeat_interval * 1000) if block else None
@@ -262,12 +276,15 @@ class Worker:
 
 
 def build_engine(settings: Settings) -> tuple[LoadedModel | SimModel, Engine | SimEngine]:
+    if settings.worker_batching not in ("continuous", "static"):
+        raise ValueError(f"WORKER_BATCHING={settings.worker_batching!r}: expected continuous or static")
+    static = settings.worker_batching == "static"
     if settings.engine == "sim":
         model = SimModel()
         return model, SimEngine(model, settings.worker_slots, settings.sim_step_ms / 1000,
-                                settings.sim_step_per_seq_ms / 1000)
+                                settings.sim_step_per_seq_ms / 1000, static)
     loaded = load_model(settings)
-    return loaded, Engine(loaded, settings.worker_slots)
+    return loaded, Engine(loaded, settings.worker_slots, static)
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from common.protocol import Submit
 from common.settings import DEFAULT_MODEL, Settings
+from worker import quant as int8
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -57,13 +58,28 @@ def _device_and_dtype(settings: Settings) -> tuple[torch.device, torch.dtype]:
     return device, dtypes[settings.worker_dtype]
 
 
+def _quant(settings: Settings, device: torch.device) -> str:
+    """`auto` is int8 on an x86 CPU (fast there, and batch-invariant: worker/quant.py) and none elsewhere."""
+    quant = settings.worker_quant
+    if quant not in ("auto", "int8", "none"):
+        raise ValueError(f"WORKER_QUANT must be auto, int8 or none, not {quant!r}")
+    if quant == "auto":
+        return "int8" if device.type == "cpu" and int8.supported() else "none"
+    if quant == "int8" and device.type != "cpu":
+        raise ValueError(f"WORKER_QUANT=int8 runs on CPU only (fbgemm kernels); the device is {device}: use none")
+    return quant
+
+
 def load_model(settings: Settings) -> LoadedModel:
     if settings.worker_threads > 0:
         torch.set_num_threads(settings.worker_threads)
     path, extra = _source(settings)
     device, dtype = _device_and_dtype(settings)
+    quant = _quant(settings, device)  # before the slow part, so that a bad value fails at once
     tokenizer = AutoTokenizer.from_pretrained(path, **extra)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra).to(device).eval()
+    if quant == "int8":
+        int8.quantize_int8(model)
     eos = model.generation_config.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [tokenizer.eos_token_id])
     max_length = getattr(model.config, "max_position_embeddings", None) or tokenizer.model_max_length

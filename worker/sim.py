@@ -56,9 +56,11 @@ class SimEngine:
     last_step = "decode"
     cache_positions = 0
 
-    def __init__(self, model: SimModel, slots: int, step_s: float, per_sequence_s: float) -> None:
+    def __init__(self, model: SimModel, slots: int, step_s: float, per_sequence_s: float,
+                 static: bool = False) -> None:
         self.model = model
         self.slots = slots
+        self.static = static
         self.step_s = step_s
         self.per_sequence_s = per_sequence_s
         self.waiting: deque[SimSequence] = deque()
@@ -88,7 +90,8 @@ class SimEngine:
         return dropped
 
     def step(self) -> list[StepOutput]:
-        while self.waiting and len(self.running) < self.slots:
+        admits = not (self.static and self.running)
+        while admits and self.waiting and len(self.running) < self.slots:
             self.running.append(self.waiting.popleft())
         if not self.running:
             return []

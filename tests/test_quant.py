@@ -1,0 +1,151 @@
+"""The int8 CPU path (worker/quant.py): accuracy and batch invariance of the layer, and the real default
+model loaded with WORKER_QUANT=int8, in-process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from common.protocol import SamplingParams
+from common.settings import Settings
+from worker.engine import Engine
+from worker.model import LoadedModel, load_model
+from worker.quant import ROWWISE_ATTENTION, Int8Linear, quantize_int8
+
+QUESTIONS = ["What is the capital of France?", "Write a Python function that adds two numbers.",
+             "Name three primary colors."]
+
+
+@pytest.fixture(scope="module")
+def loaded() -> LoadedModel:
+    return load_model(Settings(worker_threads=1, worker_quant="int8"))
+
+
+def chat(loaded: LoadedModel, question: str) -> list[int]:
+    return list(loaded.tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                                     add_generation_prompt=True, tokenize=True,
+                                                     return_dict=True)["input_ids"])
+
+
+def layer(in_features: int = 576, out_features: int = 1536, bias: bool = True) -> tuple[nn.Linear, Int8Linear]:
+    torch.manual_seed(0)
+    linear = nn.Linear(in_features, out_features, bias=bias)
+    return linear, Int8Linear(linear)
+
+
+def test_the_int8_layer_is_close_to_the_float_one() -> None:
+    linear, int8 = layer()
+    x = torch.randn(32, 576)
+    with torch.no_grad():
+        error = (int8(x) - linear(x)).norm() / linear(x).norm()
+    assert error < 0.03  # 7-bit weights, 8-bit activations: about 1.1% here
+
+
+def test_a_row_gives_the_same_bits_alone_and_among_very_different_rows() -> None:
+    torch.manual_seed(1)
+    for in_features, out_features in ((576, 1536), (1536, 576), (100, 37)):
+        _, int8 = layer(in_features, out_features)
+        rows = torch.randn(40, in_features) * torch.logspace(-4, 4, 40)[:, None]  # magnitudes 1e-4 .. 1e4
+        rows[7, 3] = 1e6  # an outlier that would dominate a shared (per-tensor) scale
+        alone = [int8(rows[i:i + 1]) for i in range(40)]
+        for size in (2, 5, 16, 17, 40):
+            picked = torch.randperm(40)[:size]
+            together = int8(rows[picked])
+            assert all(torch.equal(together[j:j + 1], alone[i]) for j, i in enumerate(picked.tolist()))
+        # a [batch, tokens, features] input: the same bits per token
+        assert torch.equal(int8(rows[:6].view(2, 3, in_features))[1, 2], alone[5][0])
+
+
+def test_edge_rows_and_dtypes() -> None:
+    linear, int8 = layer(bias=True)
+    assert torch.equal(int8(torch.zeros(2, 576)), linear.bias.detach().expand(2, -1))  # a zero row: no NaN
+    half = nn.Linear(576, 64).to(torch.bfloat16)
+    assert Int8Linear(half)(torch.randn(3, 576, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_quantize_int8_swaps_every_linear_of_a_module() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Sequential(nn.Linear(16, 4, bias=False)))
+    assert quantize_int8(model) == 2
+    assert isinstance(model[0], Int8Linear) and isinstance(model[2][0], Int8Linear)
+    assert model(torch.randn(5, 8)).shape == (5, 4)
+
+
+def test_load_model_int8_swaps_the_decoder_linears_and_the_lm_head(loaded: LoadedModel) -> None:
+    model = loaded.model
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    layers = model.config.num_hidden_layers
+    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 7 * layers + 1
+    assert isinstance(model.lm_head, Int8Linear)
+    assert model.get_input_embeddings().weight.dtype == torch.float32  # the lookup stays float
+    assert model.config._attn_implementation == ROWWISE_ATTENTION
+
+
+def test_the_int8_model_still_answers(loaded: LoadedModel) -> None:
+    # int8 moves logits by about one unit against fp32, enough to flip a near-tie of fp32's (the chat
+    # answer to QUESTIONS[0] starts "The" or "L'Étoile" by 0.1); this answer leads by 2.4.
+    ids = torch.tensor([loaded.tokenizer("The capital of France is")["input_ids"]])
+    with torch.inference_mode():
+        out = loaded.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=3,
+                                    do_sample=False, pad_token_id=loaded.eos_token_ids[0])
+    assert loaded.tokenizer.decode(out[0, ids.shape[1]:]).startswith(" Paris")
+
+
+def test_a_left_padded_batch_gives_each_prompt_its_solo_logits_bit_for_bit(loaded: LoadedModel) -> None:
+    prompts = [chat(loaded, q) for q in QUESTIONS]
+    width = max(len(p) for p in prompts)
+    pad = loaded.eos_token_ids[0]
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        together = loaded.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                                logits_to_keep=1).logits[:, -1]
+        for row, prompt in enumerate(prompts):
+            alone = loaded.model(input_ids=torch.tensor([prompt]), logits_to_keep=1).logits[:, -1]
+            assert torch.equal(together[row:row + 1], alone)
+
+
+def test_greedy_completions_through_the_engine_do_not_depend_on_batch_mates(loaded: LoadedModel) -> None:
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    def complete(prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+        engine = Engine(loaded, 16)
+        for key, prompt in prompts.items():
+            engine.add(key, prompt, params)
+        tokens: dict[str, list[int]] = {}
+        while engine.has_work():
+            for out in engine.step():
+                tokens.setdefault(out.sequence.request_id, []).append(out.sequence.output_ids[out.index])
+        return tokens
+
+    prompts = {q: chat(loaded, q) for q in QUESTIONS}
+    together = complete(prompts)
+    assert all(together[q] == complete({q: prompts[q]})[q] for q in QUESTIONS)
+
+
+def test_a_migrated_request_continues_exactly_as_it_would_have(loaded: LoadedModel) -> None:
+    """Another worker prefills the tokens already delivered: attention there must give the bits the
+    decode steps gave, or int8 would carry a last-bit difference into a different continuation."""
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+    def complete(prompt: list[int], resume: list[int] | None = None) -> list[int]:
+        engine = Engine(loaded, 16)
+        sequence = engine.add("x", prompt, params, resume=resume)
+        while engine.has_work():
+            engine.step()
+        return sequence.output_ids
+
+    for question in QUESTIONS:
+        prompt = chat(loaded, question)
+        uninterrupted = complete(prompt)
+        assert complete(prompt, resume=uninterrupted[:5]) == uninterrupted
+
+
+def test_an_unknown_worker_quant_fails_clearly() -> None:
+    with pytest.raises(ValueError, match="WORKER_QUANT must be auto, int8 or none, not 'int4'"):
+        load_model(Settings(worker_quant="int4"))
+
+
+def test_int8_on_cuda_is_refused_before_loading() -> None:
+    with pytest.raises(ValueError, match="CPU only"):
+        load_model(Settings(worker_quant="int8", worker_device="cuda"))
