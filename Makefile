@@ -32,6 +32,7 @@ bench: $(READY)
 	$(BIN)/python bench/stack_throughput.py
 	$(BIN)/python bench/quality.py
 	$(BIN)/python bench/batching.py
+	$(BIN)/python bench/batching.py --engine sim --rate 3
 	$(BIN)/python bench/peers.py
 	$(BIN)/python bench/control_plane.py both
 	$(BIN)/python bench/worker_start.py

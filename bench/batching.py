@@ -28,8 +28,9 @@ from llmserve.launcher import private_stack  # noqa: E402
 MODES = ("continuous", "static")
 
 
-def one_round(mode: str, rate: float, requests: int, outputs: Lengths, threads: int) -> dict:
-    with private_stack(1, WORKER_BATCHING=mode, WORKER_THREADS=str(threads), LOG_LEVEL="WARNING") as running:
+def one_round(mode: str, rate: float, requests: int, outputs: Lengths, threads: int, engine: str) -> dict:
+    with private_stack(1, WORKER_BATCHING=mode, WORKER_THREADS=str(threads), ENGINE=engine,
+                       LOG_LEVEL="WARNING") as running:
         target = Target(running.url, "native")
         sampling = Sampling(temperature=0.0, ignore_eos=True)
         warm = make_jobs(4, Lengths("fixed", 32), Lengths("fixed", 8), seed=99)
@@ -45,12 +46,15 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=Lengths.parse, default=Lengths("uniform", 16, 256))
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--engine", choices=("hf", "sim"), default="hf",
+                        help="sim: the same comparison on ENGINE=sim workers (fixed step times, no model)")
     args = parser.parse_args()
 
     runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
     for _ in range(args.rounds):
         for mode in MODES:
-            runs[mode].append(one_round(mode, args.rate, args.requests, args.output_tokens, args.threads))
+            runs[mode].append(one_round(mode, args.rate, args.requests, args.output_tokens, args.threads,
+                                             args.engine))
             print(f"{mode}\n{HEADER}\n{format_row(runs[mode][-1])}", flush=True)
 
     def median(mode: str, metric: str, stat: str | None = None) -> float:
@@ -61,12 +65,13 @@ def main() -> None:
                       "ttft_p99_s": median(mode, "ttft_s", "p99")} for mode in MODES}
     cont, static = summary["continuous"], summary["static"]
     result = {"setup": {"rate": args.rate, "requests": args.requests, "output_tokens": str(args.output_tokens),
-                        "prompt_tokens": 32, "rounds": args.rounds, "threads": args.threads, "greedy": True},
+                        "prompt_tokens": 32, "rounds": args.rounds, "engine": args.engine, "threads": args.threads,
+                        "greedy": True},
               "summary": summary,
               "continuous_over_static_tok_s": cont["output_tok_s"] / static["output_tok_s"],
               "static_over_continuous_e2e_p99": static["e2e_p99_s"] / cont["e2e_p99_s"],
               "runs": runs}
-    (RESULTS / "batching.json").write_text(json.dumps(result, indent=2) + "\n")
+    (RESULTS / f"batching_{args.engine}.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
 
 
