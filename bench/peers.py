@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -41,8 +43,6 @@ def bundled_gguf() -> str:
 
 
 def answers(url: str) -> bool:
-    import httpx
-
     try:
         return httpx.get(f"{url}/v1/models", timeout=5).status_code == 200
     except httpx.HTTPError:
