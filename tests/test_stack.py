@@ -97,9 +97,10 @@ def test_a_client_that_disconnects_frees_its_slot(stack: RunningStack) -> None:
         for event in events(response):
             if event.data["index"] >= 2:
                 break
-        wait_for(lambda: sum(b.running for b in heartbeats(stack)) == 1, 5, "the request to run")
-    # 2000 tokens would take minutes; the slot must be free within seconds of the disconnect.
-    wait_for(lambda: sum(b.running for b in heartbeats(stack)) == 0, 10, "the worker to drop the request")
+        wait_for(lambda: sum(b.running for b in heartbeats(stack)) >= 1, 10, "the request to run")
+    # 2000 tokens would take minutes; the slot must be free soon after the disconnect (the generous bound
+    # leaves room for a busy machine, where what an earlier test left running may also take a while).
+    wait_for(lambda: sum(b.running for b in heartbeats(stack)) == 0, 30, "the worker to drop the request")
 
 
 def test_bad_input_gets_a_clear_400_and_the_service_keeps_serving(stack: RunningStack) -> None:
