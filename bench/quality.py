@@ -7,7 +7,7 @@
    share of fp32's answer tokens that int8 also ranks first when fed fp32's answer.
 2. Batch invariance: each question's greedy tokens alone vs inside the batch of all the questions,
    through the worker's own continuous-batching engine, for int8 and, for reference, fp32.
-3. Speed: decode ms/step (a plain loop of forwards over a KV cache) and tok/s of a static
+3. Speed: decode ms/step (a plain loop of forwards over a KV cache; wall and CPU time) and tok/s of a static
    `model.generate` (greedy, 64 new tokens, EOS suppressed), at batch 1 and 16, median of 3 rounds;
    fp32 and int8 alternate in each round so that both see the same machine.
 """
@@ -111,8 +111,9 @@ def invariance(loaded: LoadedModel, prompts: list[list[int]]) -> int:
 
 
 @torch.inference_mode()
-def decode_ms(loaded: LoadedModel, prompts: list[list[int]], steps: int) -> float:
-    """Mean ms of one decode forward of the batch (prefill excluded), with a plain KV-cache loop."""
+def decode_ms(loaded: LoadedModel, prompts: list[list[int]], steps: int) -> tuple[float, float]:
+    """Mean ms of one decode forward of the batch (prefill excluded), with a plain KV-cache loop: wall
+    time, and this process's CPU time (less sensitive to other load on a shared machine, with 1 thread)."""
     model = loaded.model
     inputs = left_padded(loaded, prompts)
     mask = inputs["attention_mask"]
@@ -120,13 +121,13 @@ def decode_ms(loaded: LoadedModel, prompts: list[list[int]], steps: int) -> floa
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
     logits = model(**inputs, position_ids=positions, past_key_values=cache, use_cache=True).logits[:, -1]
     position = positions[:, -1:]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         mask = torch.nn.functional.pad(mask, [0, 1], value=1)
         position = position + 1
         logits = model(input_ids=logits.argmax(dim=-1, keepdim=True), attention_mask=mask, position_ids=position,
                        past_key_values=cache, use_cache=True).logits[:, -1]
-    return (time.perf_counter() - start) / steps * 1e3
+    return (time.perf_counter() - start) / steps * 1e3, (time.process_time() - cpu) / steps * 1e3
 
 
 @torch.inference_mode()
@@ -165,15 +166,17 @@ def main() -> None:
 
     invariant = {name: invariance(models[quant], prompts) for name, quant in (("int8", "int8"), ("fp32", "none"))}
 
-    speed: dict[str, dict[str, list[float]]] = {f"{what}_b{b}": {"fp32": [], "int8": []}
-                                                for what in ("decode_ms_per_step", "generate_tok_s") for b in (1, 16)}
+    speed: dict[str, dict[str, list[float]]] = {
+        f"{what}_b{b}": {"fp32": [], "int8": []}
+        for what in ("decode_ms_per_step", "decode_cpu_ms_per_step", "generate_tok_s") for b in (1, 16)}
     for quant in ("none", "int8"):  # warm-up
         generate_tok_s(models[quant], prompts[:2])
     for r in range(args.rounds):
         for batch in (1, 16):
             for name, quant in (("fp32", "none"), ("int8", "int8")):
-                speed[f"decode_ms_per_step_b{batch}"][name].append(decode_ms(models[quant], prompts[:batch],
-                                                                             args.steps))
+                wall, cpu = decode_ms(models[quant], prompts[:batch], args.steps)
+                speed[f"decode_ms_per_step_b{batch}"][name].append(wall)
+                speed[f"decode_cpu_ms_per_step_b{batch}"][name].append(cpu)
                 speed[f"generate_tok_s_b{batch}"][name].append(generate_tok_s(models[quant], prompts[:batch]))
         print(f"round {r + 1} (fp32 / int8): "
               + ", ".join(f"{k} {v['fp32'][-1]:.1f} / {v['int8'][-1]:.1f}" for k, v in speed.items()), flush=True)

@@ -124,8 +124,8 @@ def test_greedy_completions_through_the_engine_do_not_depend_on_batch_mates(load
 
 
 def test_a_migrated_request_continues_exactly_as_it_would_have(loaded: LoadedModel) -> None:
-    """Another worker prefills the tokens already delivered: attention there must give the bits the
-    decode steps gave, or int8 would carry a last-bit difference into a different continuation."""
+    """Another worker takes over the tokens already delivered (the engine replays them as decode steps):
+    any last-bit difference from the lost worker's computation would, through int8, change the text."""
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
     def complete(prompt: list[int], resume: list[int] | None = None) -> list[int]:

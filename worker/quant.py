@@ -12,13 +12,13 @@ fp32 on the 2-core development machine). fbgemm multiplies unsigned activations 
 with `vpmaddubsw`, whose pairwise int16 sums saturate for full-range 8-bit operands; weights are
 therefore kept to 7 bits ([-63, 63]) so that 255 * 63 * 2 < 2**15 and the accumulation stays exact.
 
-Attention must then be exact too. SDPA over a left-padded batch rounds in the last bit differently
-with the padding width, and a prefill differently from the decode steps that produced the same tokens;
-in fp32 that never changes a greedy token, but int8's rounding of activations turns such a difference
-into a whole quantisation step, which grows layer after layer: 19 of 20 greedy answers changed with
-their batch-mates, and every continuation of a migrated request (whose delivered tokens the new worker
-prefills) left the uninterrupted text. So the int8 model computes attention, for every row and query,
-as a decode step does: one query over exactly the keys it sees, without padding.
+Attention must then be batch-invariant too. SDPA over a left-padded batch rounds in the last bit
+differently with the padding width; in fp32 that never changes a greedy token, but int8's rounding of
+activations turns such a difference into a whole quantisation step, which grows layer after layer
+(19 of 20 greedy answers changed with their batch-mates). So the int8 model runs attention one row at
+a time over that row's own tokens: the very kernel call a request makes when it is alone. (A prefill
+also rounds differently from the decode steps that produced the same tokens, which is why the engine
+replays a migrated request's delivered tokens as decode steps.)
 """
 
 from __future__ import annotations
@@ -84,11 +84,10 @@ class Int8Linear(nn.Module):
 def rowwise_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: torch.Tensor | None, scaling: float | None = None,
                  **kwargs: object) -> tuple[torch.Tensor, None]:
-    """Scaled dot-product attention as a decode step computes it, for every row and query: one query
-    over exactly the keys it sees, the row's left padding left out. A row's result then cannot depend on
-    the rest of the batch, and a prefill of tokens that were generated (a migrated request's) gives the
-    bits their decode steps gave. Assumes left padding (the engine's and `generate`'s), read off the
-    mask's last query row, and a decoder in eval mode (causal, no dropout, no softcap)."""
+    """Scaled dot-product attention one row at a time without its left padding: each row makes the call
+    it would make alone (same shapes, no mask), so its result cannot depend on the rest of the batch.
+    Assumes left padding (the engine's and `generate`'s), read off the mask's last query row, and a
+    decoder in eval mode (causal, no dropout, no softcap)."""
     if kwargs.get("sliding_window") or kwargs.get("softcap") or kwargs.get("position_bias") is not None:
         raise NotImplementedError("int8's row-wise attention handles plain causal attention only")
     batch, q_len, kv_len = query.shape[0], query.shape[2], key.shape[2]
@@ -100,16 +99,13 @@ def rowwise_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     rows = []
     for b, (q, k, v) in enumerate(zip(query.split(1), key.split(1), value.split(1), strict=True)):
         n = valid[b]
-        t = min(q_len, n)  # the row's real queries, the last t; query i of them sees n - t + i + 1 keys
-        k, v = k[:, :, kv_len - n:], v[:, :, kv_len - n:]
-        if t == 1:  # a decode step
-            row = _sdpa(q[:, :, -1:], k, v, scale=scaling, enable_gqa=True)
-        else:  # a prefill, one query at a time, over keys laid out as a decode step has them (contiguous)
-            k, v = k.contiguous(), v.contiguous()
-            row = torch.cat([_sdpa(q[:, :, q_len - t + i:q_len - t + i + 1], k[:, :, :n - t + i + 1],
-                                   v[:, :, :n - t + i + 1], scale=scaling, enable_gqa=True) for i in range(t)],
-                            dim=2)
-        rows.append(row if t == q_len else nn.functional.pad(row, (0, 0, q_len - t, 0)))  # padding rows: zeros
+        t = min(q_len, n)  # the row's real queries: the last t
+        # t == n: a prefill (causal); t == 1: a decode step (sees all n keys); else a chunk after cached
+        # tokens, which needs the mask's real part.
+        mask = None if t in (1, n) else attention_mask[b:b + 1, :, q_len - t:, kv_len - n:]
+        out = _sdpa(q[:, :, q_len - t:], k[:, :, kv_len - n:], v[:, :, kv_len - n:], attn_mask=mask,
+                    is_causal=t > 1 and mask is None, scale=scaling, enable_gqa=True)
+        rows.append(out if t == q_len else nn.functional.pad(out, (0, 0, q_len - t, 0)))  # padding rows: zeros
     return torch.cat(rows).transpose(1, 2).contiguous(), None
 
 
