@@ -94,10 +94,12 @@ def test_greedy_output_is_the_same_alone_and_in_a_batch_across_two_workers(stack
 def test_a_client_that_disconnects_frees_its_slot(stack: RunningStack) -> None:
     body = {"prompt": "Tell me a very long story.", "max_tokens": 2000, **GREEDY}
     with stack.client() as client, client.stream("POST", "/generate_stream", json=body) as response:
-        for event in events(response):
+        # Held in a name: a dropped generator would be collected at once and close the connection early.
+        received = events(response)
+        for event in received:
             if event.data["index"] >= 2:
                 break
-        wait_for(lambda: sum(b.running for b in heartbeats(stack)) >= 1, 10, "the request to run")
+        wait_for(lambda: sum(b.running for b in heartbeats(stack)) >= 1, 30, "the request to run")
     # 2000 tokens would take minutes; the slot must be free soon after the disconnect (the generous bound
     # leaves room for a busy machine, where what an earlier test left running may also take a while).
     wait_for(lambda: sum(b.running for b in heartbeats(stack)) == 0, 30, "the worker to drop the request")
