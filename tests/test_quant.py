@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from common.protocol import SamplingParams
 from common.settings import Settings
 from worker.engine import Engine
 from worker.model import LoadedModel, load_model
-from worker.quant import ROWWISE_ATTENTION, Int8Linear, quantize_int8
+from worker.quant import ROWWISE_ATTENTION, Int8Linear, Int8LlamaLayer, quantize_int8
 
 QUESTIONS = ["What is the capital of France?", "Write a Python function that adds two numbers.",
              "Name three primary colors."]
@@ -71,11 +73,37 @@ def test_quantize_int8_swaps_every_linear_of_a_module() -> None:
     assert model(torch.randn(5, 8)).shape == (5, 4)
 
 
+def test_fused_llama_layers_give_the_same_bits_as_one_int8_linear_per_projection() -> None:
+    torch.manual_seed(2)
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    fused, separate = LlamaForCausalLM(config).eval(), LlamaForCausalLM(config).eval()
+    separate.load_state_dict(fused.state_dict())
+    assert quantize_int8(fused) == 7 * 2 + 1
+    assert all(isinstance(layer, Int8LlamaLayer) for layer in fused.model.layers)
+    for parent, name, child in [(p, n, c) for p in separate.modules() for n, c in p.named_children()]:
+        if isinstance(child, nn.Linear):
+            setattr(parent, name, Int8Linear(child))
+    separate.set_attn_implementation(ROWWISE_ATTENTION)
+    ids = torch.randint(0, 300, (3, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # a left-padded row
+
+    @torch.inference_mode()
+    def prefill_and_step(model: LlamaForCausalLM) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = DynamicCache(config=config)
+        prefill = model(input_ids=ids, attention_mask=mask, cache=cache).logits
+        return prefill, model(input_ids=ids[:, :1], attention_mask=F.pad(mask, [0, 1], value=1), cache=cache).logits
+
+    assert all(torch.equal(a, b) for a, b in zip(prefill_and_step(fused), prefill_and_step(separate), strict=True))
+
+
 def test_load_model_int8_swaps_the_decoder_linears_and_the_lm_head(loaded: LoadedModel) -> None:
     model = loaded.model
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     layers = model.config.num_hidden_layers
-    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 7 * layers + 1
+    assert all(isinstance(layer, Int8LlamaLayer) for layer in model.model.layers)
+    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 4 * layers + 1  # q, k, v and gate, up fused
     assert isinstance(model.lm_head, Int8Linear)
     assert model.get_input_embeddings().weight.dtype == torch.float32  # the lookup stays float
     assert model.config._attn_implementation == ROWWISE_ATTENTION

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from common.protocol import SamplingParams, TokenLogprob
+from worker.cache import new_cache
 from worker.detokenizer import Detokenizer
 from worker.model import LoadedModel
 from worker.sampling import Logprobs, new_generator, sample
@@ -202,7 +203,7 @@ class Engine:
         ids = torch.tensor([[pad_id] * (width - len(c)) + c for c in contexts], device=device)
         mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts], device=device)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.loaded.model.config)
+        cache = new_cache(self.loaded.model.config)
         logits = self.loaded.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
                                    use_cache=True, logits_to_keep=1).logits[:, -1]
         lengths = torch.tensor([len(c) for c in contexts], device=device)

@@ -27,8 +27,9 @@ import warnings
 
 import torch
 from torch import nn
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import AttentionInterface, Cache, LlamaForCausalLM, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 ACT_MAX = 127  # activations: round(x / rowmax * 127) in [-127, 127], fed to fbgemm as uint8 with zero point 128
 ACT_ZERO_POINT = 128
@@ -46,11 +47,15 @@ def supported() -> bool:
 class Int8Linear(nn.Module):
     """Drop-in for an `nn.Linear` on CPU: int8 weights, per-row int8 activations, float in and out."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, *linears: nn.Linear) -> None:
+        """One layer, or several over the same input fused into one (their outputs side by side): the
+        row scale is the shared input's and the weight scales are per output channel, so fusing changes
+        no bit of any output, and one kernel call does the work of several."""
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.dtype = linear.weight.dtype
-        weight = linear.weight.detach().float()
+        self.in_features, self.out_features = linears[0].in_features, sum(lin.out_features for lin in linears)
+        self.dtype = linears[0].weight.dtype
+        weight = torch.cat([lin.weight.detach().float() for lin in linears])
+        biases = [lin.bias for lin in linears]
         scale = weight.abs().amax(dim=1).clamp_min(EPS) / WEIGHT_MAX
         q = torch.round(weight / scale[:, None]).clamp_(-WEIGHT_MAX, WEIGHT_MAX).to(torch.int8)
         zero_points = torch.zeros(self.out_features, dtype=torch.long)
@@ -61,7 +66,10 @@ class Int8Linear(nn.Module):
             qweight = torch._make_per_channel_quantized_tensor(q, scale.double(), zero_points, 0)
         # No bias in the packed weight: the kernel would add it before the row scale is applied.
         self.packed = torch.ops.quantized.linear_prepack(qweight, None)  # packs for the current engine: fbgemm
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+        self.bias = None if all(b is None for b in biases) else nn.Parameter(torch.cat([
+            torch.zeros(lin.out_features) if b is None else b.detach().float() for lin, b in zip(linears, biases,
+                                                                                                 strict=True)]),
+            requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Six ops per call (30 layers x 7 linears per decode step: Python overhead counts at batch 1).
@@ -113,24 +121,79 @@ AttentionInterface.register(ROWWISE_ATTENTION, rowwise_sdpa)
 AttentionMaskInterface.register(ROWWISE_ATTENTION, sdpa_mask)  # the padding mask it reads
 
 
+class Int8LlamaLayer(nn.Module):
+    """A Llama decoder layer in four int8 kernel calls instead of seven (q, k and v fused, gate and up
+    fused), and in one Python function instead of a tree of modules: at batch 1 a decode step is mostly
+    per-call overhead, paid 30 times per token. Same arithmetic as the layer it replaces, row by row."""
+
+    def __init__(self, layer: LlamaDecoderLayer) -> None:
+        super().__init__()
+        attn, mlp = layer.self_attn, layer.mlp
+        self.layer_idx, self.scaling, self.head_dim = attn.layer_idx, attn.scaling, attn.head_dim
+        self.q_heads = attn.q_proj.out_features // self.head_dim
+        self.kv_heads = attn.k_proj.out_features // self.head_dim
+        self.input_layernorm, self.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
+        self.qkv = Int8Linear(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.o_proj = Int8Linear(attn.o_proj)
+        self.gate_up = Int8Linear(mlp.gate_proj, mlp.up_proj)
+        self.down_proj = Int8Linear(mlp.down_proj)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, cache: Cache | None = None,
+                **kwargs: object) -> torch.Tensor:
+        batch, length, _ = hidden_states.shape
+        qkv = self.qkv(self.input_layernorm(hidden_states)).view(batch, length, -1, self.head_dim).transpose(1, 2)
+        qk = _rotate(qkv[:, :self.q_heads + self.kv_heads], *position_embeddings)  # q and k heads in one go
+        query, key, value = qk[:, :self.q_heads], qk[:, self.q_heads:], qkv[:, self.q_heads + self.kv_heads:]
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
+        attended, _ = rowwise_sdpa(self, query, key, value, attention_mask, scaling=self.scaling)
+        hidden_states = hidden_states + self.o_proj(attended.view(batch, length, -1))
+        gate, up = self.gate_up(self.post_attention_layernorm(hidden_states)).chunk(2, dim=-1)
+        return hidden_states + self.down_proj(nn.functional.silu(gate) * up)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of (batch, heads, length, head_dim) with Llama's half-split layout."""
+    half = x.shape[-1] // 2
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _fusable(model: nn.Module) -> bool:
+    """A plain Llama: SiLU MLP, no biases, default rotary embedding (what Int8LlamaLayer computes)."""
+    config = getattr(model, "config", None)
+    return (isinstance(model, LlamaForCausalLM) and config.hidden_act == "silu" and not config.mlp_bias
+            and not config.attention_bias and (config.rope_parameters or {}).get("rope_type") == "default")
+
+
 def quantize_int8(model: nn.Module) -> int:
     """Replace every `nn.Linear` of `model` (for a causal LM: the decoder layers' projections and the
     `lm_head`) by an `Int8Linear`, in place, and switch its attention to `rowwise_sdpa`; returns how many
-    linears. The embedding lookup stays float, also when `lm_head` is tied to it. Call it once the model
-    is on the CPU."""
+    linears. A plain Llama's decoder layers become `Int8LlamaLayer`s, with fused projections. The
+    embedding lookup stays float, also when `lm_head` is tied to it. Call it once the model is on the CPU."""
     if not supported():
         raise RuntimeError("int8 needs torch's fbgemm engine, which this torch build lacks (x86 builds have it)")
-    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if isinstance(child, nn.Linear)]
+    linears = _linears(model)
+    for _, name, linear in linears:
+        if linear.weight.device.type != "cpu":
+            raise ValueError(f"int8 quantisation runs on CPU only; {name} is on {linear.weight.device}")
     engine = torch.backends.quantized.engine
     torch.backends.quantized.engine = "fbgemm"  # the forward's kernel needs fbgemm's packed weights
     try:
-        for parent, name, linear in targets:
-            if linear.weight.device.type != "cpu":
-                raise ValueError(f"int8 quantisation runs on CPU only; {name} is on {linear.weight.device}")
+        if _fusable(model):
+            layers = model.model.layers
+            for index, layer in enumerate(layers):
+                layers[index] = Int8LlamaLayer(layer)
+        for parent, name, linear in _linears(model):  # those the fused layers did not take: the lm_head
             setattr(parent, name, Int8Linear(linear))
     finally:
         torch.backends.quantized.engine = engine
     if isinstance(model, PreTrainedModel):
         model.set_attn_implementation(ROWWISE_ATTENTION)
-    return len(targets)
+    return len(linears)
+
+
+def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if isinstance(child, nn.Linear)]
