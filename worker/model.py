@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import importlib.util
 from dataclasses import dataclass
 
@@ -70,6 +72,17 @@ def _quant(settings: Settings, device: torch.device) -> str:
     return quant
 
 
+def _return_freed_memory() -> None:
+    """Hand the heap pages of the freed float weights back to the system: glibc keeps them otherwise, and
+    the int8 worker would stay at the float model's size (1.2 GB instead of 0.8 GB with the default model)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return
+    if hasattr(libc, "malloc_trim"):  # glibc only
+        libc.malloc_trim(0)
+
+
 def load_model(settings: Settings) -> LoadedModel:
     if settings.worker_threads > 0:
         torch.set_num_threads(settings.worker_threads)
@@ -80,6 +93,7 @@ def load_model(settings: Settings) -> LoadedModel:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra).to(device).eval()
     if quant == "int8":
         int8.quantize_int8(model)
+        _return_freed_memory()
     eos = model.generation_config.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [tokenizer.eos_token_id])
     max_length = getattr(model.config, "max_position_embeddings", None) or tokenizer.model_max_length

@@ -104,6 +104,9 @@ def rowwise_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     else:
         last = attention_mask[:, 0, -1]
         valid = (last if last.dtype == torch.bool else last == 0).sum(dim=-1).tolist()
+    if q_len in (1, kv_len) and all(n == kv_len for n in valid):
+        # No padding (always so at batch 1): one call over the batch computes each row as its own call would.
+        return _sdpa(query, key, value, is_causal=q_len > 1, scale=scaling, enable_gqa=True).transpose(1, 2), None
     rows = []
     for b, (q, k, v) in enumerate(zip(query.split(1), key.split(1), value.split(1), strict=True)):
         n = valid[b]
@@ -148,7 +151,7 @@ class Int8LlamaLayer(nn.Module):
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
         attended, _ = rowwise_sdpa(self, query, key, value, attention_mask, scaling=self.scaling)
-        hidden_states = hidden_states + self.o_proj(attended.view(batch, length, -1))
+        hidden_states = hidden_states + self.o_proj(attended.reshape(batch, length, -1))
         gate, up = self.gate_up(self.post_attention_layernorm(hidden_states)).chunk(2, dim=-1)
         return hidden_states + self.down_proj(nn.functional.silu(gate) * up)
 
