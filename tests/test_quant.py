@@ -119,11 +119,20 @@ def test_the_int8_model_still_answers(loaded: LoadedModel) -> None:
     assert loaded.tokenizer.decode(out[0, ids.shape[1]:]).startswith(" Paris")
 
 
-@pytest.mark.parametrize("lengths", ["different: left-padded", "equal: no padding"])
+def shaped(prompts: list[list[int]], lengths: str) -> list[list[int]]:
+    """`different` as given; `equal`: cut to one length (no padding); `runs`: the first two cut to one length
+    shorter than the third (neighbours that share an attention call, in a padded batch)."""
+    shortest = min(map(len, prompts))
+    if lengths == "equal":
+        return [p[:shortest] for p in prompts]
+    if lengths == "runs":
+        return [p[:shortest - 1] for p in prompts[:2]] + prompts[2:]
+    return prompts
+
+
+@pytest.mark.parametrize("lengths", ["different", "equal", "runs"])
 def test_a_batch_gives_each_prompt_its_solo_logits_bit_for_bit(loaded: LoadedModel, lengths: str) -> None:
-    prompts = [chat(loaded, q) for q in QUESTIONS]
-    if lengths.startswith("equal"):
-        prompts = [p[:min(map(len, prompts))] for p in prompts]
+    prompts = shaped([chat(loaded, q) for q in QUESTIONS], lengths)
     width = max(len(p) for p in prompts)
     pad = loaded.eos_token_ids[0]
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
@@ -136,7 +145,7 @@ def test_a_batch_gives_each_prompt_its_solo_logits_bit_for_bit(loaded: LoadedMod
             assert torch.equal(together[row:row + 1], alone)
 
 
-@pytest.mark.parametrize("lengths", ["different", "equal"])
+@pytest.mark.parametrize("lengths", ["different", "equal", "runs"])
 def test_greedy_completions_through_the_engine_do_not_depend_on_batch_mates(loaded: LoadedModel,
                                                                             lengths: str) -> None:
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -151,9 +160,7 @@ def test_greedy_completions_through_the_engine_do_not_depend_on_batch_mates(load
                 tokens.setdefault(out.sequence.request_id, []).append(out.sequence.output_ids[out.index])
         return tokens
 
-    prompts = {q: chat(loaded, q) for q in QUESTIONS}
-    if lengths == "equal":  # no padding anywhere: attention runs as one call over the batch
-        prompts = {q: p[:min(map(len, prompts.values()))] for q, p in prompts.items()}
+    prompts = dict(zip(QUESTIONS, shaped([chat(loaded, q) for q in QUESTIONS], lengths), strict=True))
     together = complete(prompts)
     assert all(together[q] == complete({q: prompts[q]})[q] for q in QUESTIONS)
 

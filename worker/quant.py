@@ -92,32 +92,40 @@ class Int8Linear(nn.Module):
 def rowwise_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: torch.Tensor | None, scaling: float | None = None,
                  **kwargs: object) -> tuple[torch.Tensor, None]:
-    """Scaled dot-product attention one row at a time without its left padding: each row makes the call
-    it would make alone (same shapes, no mask), so its result cannot depend on the rest of the batch.
+    """Scaled dot-product attention without padding: each row is computed over its own tokens only, by a
+    call of the very shapes it would make alone, so its result cannot depend on the rest of the batch.
+    Consecutive rows of one length (requests admitted together, or all rows at batch 1) share a call:
+    the kernel computes each row of an unpadded batch as it would compute that row alone (tested).
     Assumes left padding (the engine's and `generate`'s), read off the mask's last query row, and a
     decoder in eval mode (causal, no dropout, no softcap)."""
     if kwargs.get("sliding_window") or kwargs.get("softcap") or kwargs.get("position_bias") is not None:
         raise NotImplementedError("int8's row-wise attention handles plain causal attention only")
-    batch, q_len, kv_len = query.shape[0], query.shape[2], key.shape[2]
+    batch, kv_len = query.shape[0], key.shape[2]
     if attention_mask is None:
         valid = [kv_len] * batch
     else:
         last = attention_mask[:, 0, -1]
         valid = (last if last.dtype == torch.bool else last == 0).sum(dim=-1).tolist()
-    if q_len in (1, kv_len) and all(n == kv_len for n in valid):
-        # No padding (always so at batch 1): one call over the batch computes each row as its own call would.
-        return _sdpa(query, key, value, is_causal=q_len > 1, scale=scaling, enable_gqa=True).transpose(1, 2), None
-    rows = []
-    for b, (q, k, v) in enumerate(zip(query.split(1), key.split(1), value.split(1), strict=True)):
-        n = valid[b]
-        t = min(q_len, n)  # the row's real queries: the last t
-        # t == n: a prefill (causal); t == 1: a decode step (sees all n keys); else a chunk after cached
-        # tokens, which needs the mask's real part.
-        mask = None if t in (1, n) else attention_mask[b:b + 1, :, q_len - t:, kv_len - n:]
-        out = _sdpa(q[:, :, q_len - t:], k[:, :, kv_len - n:], v[:, :, kv_len - n:], attn_mask=mask,
-                    is_causal=t > 1 and mask is None, scale=scaling, enable_gqa=True)
-        rows.append(out if t == q_len else nn.functional.pad(out, (0, 0, q_len - t, 0)))  # padding rows: zeros
-    return torch.cat(rows).transpose(1, 2).contiguous(), None
+    runs, start = [], 0
+    for end in range(1, batch + 1):
+        if end == batch or valid[end] != valid[start]:
+            runs.append(_attend(query[start:end], key[start:end], value[start:end], attention_mask, start,
+                                valid[start], scaling))
+            start = end
+    return (runs[0] if len(runs) == 1 else torch.cat(runs)).transpose(1, 2).contiguous(), None
+
+
+def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+            first_row: int, n: int, scaling: float | None) -> torch.Tensor:
+    """Attention of rows that each hold `n` real tokens, over those tokens only; zeros for padding queries."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    t = min(q_len, n)  # the rows' real queries: the last t
+    # t == n: a prefill (causal); t == 1: a decode step (sees all n keys); else a chunk after cached
+    # tokens, which needs the mask's real part.
+    mask = None if t in (1, n) else attention_mask[first_row:first_row + len(query), :, q_len - t:, kv_len - n:]
+    out = _sdpa(query[:, :, q_len - t:], key[:, :, kv_len - n:], value[:, :, kv_len - n:], attn_mask=mask,
+                is_causal=t > 1 and mask is None, scale=scaling, enable_gqa=True)
+    return out if t == q_len else nn.functional.pad(out, (0, 0, q_len - t, 0))
 
 
 AttentionInterface.register(ROWWISE_ATTENTION, rowwise_sdpa)

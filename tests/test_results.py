@@ -1,0 +1,84 @@
+"""The gateway's result router (gateway/results.py) against a real redis-server that requires a
+password: routing by request and choice, and a refused connection that fails requests at once."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from common.protocol import Done, Keys, Token, encode
+from gateway.results import ResultRouter, command
+from llmserve.launcher import free_port, redis_server_binary, wait_until
+
+PASSWORD = "s3cret"
+LIMIT = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def port() -> Iterator[int]:
+    port = free_port()
+    process = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                "--appendonly", "no", "--requirepass", PASSWORD], stdout=subprocess.DEVNULL)
+    client = redis.Redis(port=port, password=PASSWORD)
+    try:
+        wait_until(lambda: _pings(client), 10, "redis-server")
+        yield port
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def _pings(client: redis.Redis) -> bool:
+    try:
+        return client.ping()
+    except redis.ConnectionError:
+        return False
+
+
+def test_commands_are_encoded_as_resp() -> None:
+    assert command("SUBSCRIBE", b"a:1", "b") == b"*3\r\n$9\r\nSUBSCRIBE\r\n$3\r\na:1\r\n$1\r\nb\r\n"
+
+
+def test_each_result_reaches_the_mailbox_and_choice_of_its_request(port: int) -> None:
+    url, keys = f"redis://:{PASSWORD}@127.0.0.1:{port}/0", Keys("t")
+
+    async def scenario() -> list[tuple[int, object]]:
+        router, publisher = ResultRouter(url, keys, LIMIT), aioredis.from_url(url)
+        await router.start()
+        try:
+            async with router.open(["r1", "r2"]) as both, router.open(["other"]) as other:
+                await publisher.publish(keys.results("r2"), encode(Token(0, "hi"), LIMIT))
+                await publisher.publish(keys.results("r1"), encode(Done("length", 3, 1), LIMIT))
+                await publisher.publish(keys.results("nobody"), encode(Token(0, "lost"), LIMIT))
+                got = [await asyncio.wait_for(both.get(), 5) for _ in range(2)]
+                assert other.empty()
+            async with router.open(["r3"]) as later:  # the connection serves on after the first requests left
+                await publisher.publish(keys.results("r3"), b"\xff not msgpack")  # dropped, logged
+                await publisher.publish(keys.results("r3"), encode(Token(0, "ok"), LIMIT))
+                got.append(await asyncio.wait_for(later.get(), 5))
+            return got
+        finally:
+            await router.stop()
+            await publisher.aclose()
+
+    assert asyncio.run(scenario()) == [(1, Token(0, "hi")), (0, Done("length", 3, 1)), (0, Token(0, "ok"))]
+
+
+def test_a_refused_password_fails_requests_at_once(port: int) -> None:
+    async def scenario() -> None:
+        router = ResultRouter(f"redis://:wrong@127.0.0.1:{port}/0", Keys("t"), LIMIT)
+        await router.start()
+        try:
+            with pytest.raises(RedisError):
+                async with asyncio.timeout(5), router.open(["r1"]):
+                    pass
+        finally:
+            await router.stop()
+
+    asyncio.run(scenario())
