@@ -1,6 +1,7 @@
 """Issue 6, target 3: llmserve against llama.cpp on the very same GGUF file, measured
 by one harness (the sweep of `llmserve bench`) in one run. The servers take turns on
-the machine, each alone, and get the same greedy workload at each concurrency.
+the machine, each alone, for several rounds, and get the same greedy workload at each
+concurrency; each level reports its median round.
 
 The peers are built outside this repository (see the README's benchmark section):
 `--llama-server` is llama.cpp's native server binary, `--llama-cpp-python` the Python
@@ -83,6 +84,13 @@ async def measure(url: str, concurrencies: list[int], new_tokens: int, name: str
     return levels
 
 
+def median_levels(runs: list[list[dict]]) -> list[dict]:
+    """Per load level, the figures of the round with the median output tokens/s (the lower one of an even
+    count), so that one level's figures all come from one run."""
+    return [sorted(levels, key=lambda level: level["output_tok_s"])[(len(levels) - 1) // 2]
+            for levels in zip(*runs, strict=True)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-server", default=LLAMA_SERVER)
@@ -90,14 +98,12 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32, 64])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="turns of every server; each level reports its median round by output tok/s")
     parser.add_argument("--out", default=str(RESULTS / "peers.json"))
     args = parser.parse_args()
     gguf, threads, logs = bundled_gguf(), str(args.threads), Path("/tmp")
 
-    series: dict[str, list[dict]] = {}
-    with private_stack(1, WORKER_THREADS=threads, WORKER_SLOTS=str(max(args.concurrency)),
-                       LOG_LEVEL="WARNING") as ours:
-        series["llmserve"] = asyncio.run(measure(ours.url, args.concurrency, args.new_tokens, "llmserve"))
     peers = {
         "llama-server": (args.llama_server, {}, [args.llama_server, "-m", gguf, "-t", threads, "-c", "8192",
                                                  "--parallel", "16", "-cb", "--host", "127.0.0.1", "--port"]),
@@ -108,13 +114,19 @@ def main() -> None:
                               threads, "--n_ctx", "8192", "--interrupt_requests", "False",
                               "--host", "127.0.0.1", "--port"]),
     }
-    for name, (path, env, argv) in peers.items():
-        if not os.path.exists(path):
-            print(f"\n{name}: {path} not found, skipped")
-            continue
-        port = free_port()
-        with peer_server([*argv, str(port)], {**os.environ, **env}, port, logs / f"bench-{name}.log") as url:
-            series[name] = asyncio.run(measure(url, args.concurrency, args.new_tokens, name))
+    missing = [name for name, (path, _, _) in peers.items() if not os.path.exists(path)]
+    for name in missing:
+        print(f"\n{name}: {peers.pop(name)[0]} not found, skipped")
+    rounds: dict[str, list[list[dict]]] = {name: [] for name in ["llmserve", *peers]}
+    for _ in range(args.rounds):  # the servers take turns, so that each round sees one state of the machine
+        with private_stack(1, WORKER_THREADS=threads, WORKER_SLOTS=str(max(args.concurrency)),
+                           LOG_LEVEL="WARNING") as ours:
+            rounds["llmserve"].append(asyncio.run(measure(ours.url, args.concurrency, args.new_tokens, "llmserve")))
+        for name, (_, env, argv) in peers.items():
+            port = free_port()
+            with peer_server([*argv, str(port)], {**os.environ, **env}, port, logs / f"bench-{name}.log") as url:
+                rounds[name].append(asyncio.run(measure(url, args.concurrency, args.new_tokens, name)))
+    series = {name: median_levels(runs) for name, runs in rounds.items()}
 
     ratios = {}
     if "llama-server" in series:
@@ -123,8 +135,10 @@ def main() -> None:
                 "tok_s_ratio": ours["output_tok_s"] / peer["output_tok_s"],
                 "ttft_p50_s": {"llmserve": ours["ttft_s"]["p50"], "llama-server": peer["ttft_s"]["p50"]}}
     result = {"setup": {"gguf": gguf, "threads": args.threads, "new_tokens": args.new_tokens, "prompt_tokens": 32,
-                        "greedy": True, "concurrency": args.concurrency},
-              "series": series, "llmserve_over_llama_server": ratios}
+                        "greedy": True, "concurrency": args.concurrency, "rounds": args.rounds},
+              "series": series, "llmserve_over_llama_server": ratios,
+              "rounds_output_tok_s": {name: [[level["output_tok_s"] for level in run] for run in runs]
+                                      for name, runs in rounds.items()}}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     plot_sweeps(series, Path(args.out).with_suffix(".png"), title=f"{args.new_tokens} new tokens, greedy, same GGUF")
     print(json.dumps(ratios, indent=2))

@@ -45,6 +45,19 @@ log = logging.getLogger("worker")
 MAX_BACKOFF = 5.0
 PROGRESS_TTL_SECONDS = 3600
 
+# Every token of a step in one call: published on its request's channel first, then recorded in its progress
+# list (a worker lost in between makes its successor repeat the token, which the gateway drops by its index,
+# rather than skip it). Two pipelined commands per token cost the worker 6 ms per step at 250 rows, this 1 ms.
+# KEYS: the prefixes of the channel and of the progress list, completed by each request_id (one Redis,
+# not a cluster). ARGV: request_id, encoded Token, token id, for each token.
+_PUBLISH_TOKENS = """
+for i = 1, #ARGV, 3 do
+  redis.call('PUBLISH', KEYS[1] .. ARGV[i], ARGV[i + 1])
+  redis.call('RPUSH', KEYS[2] .. ARGV[i], ARGV[i + 2])
+end
+return 0
+"""
+
 
 @dataclass
 class Timing:
@@ -234,7 +247,13 @@ class Worker:
         """One round trip to Redis per engine step, whatever the batch size."""
         if not outputs:
             return
+        limit = self.settings.max_message_bytes
+        tokens = [field for out in outputs for field in (
+            out.sequence.request_id, encode(Token(out.index, out.text, out.logprob, out.top_logprobs), limit),
+            out.sequence.output_ids[out.index])]
         pipe = self.redis.pipeline(transaction=False)
+        # First in the pipeline: what follows (a progress list's expiry, a Done) must come after its token.
+        pipe.eval(_PUBLISH_TOKENS, 2, self.keys.results(""), self.keys.progress(""), *tokens)
         for out in outputs:
             rid = out.sequence.request_id
             timing = self.timings.get(rid)
@@ -242,10 +261,6 @@ class Worker:
                 timing.first_token_at = now()
                 self._stamp(pipe, rid, "prefill_done", prefill_ms=round(step_s * 1000, 3))
                 self._stamp(pipe, rid, "first_token", index=out.index)
-            self._send(pipe, rid, Token(out.index, out.text, out.logprob, out.top_logprobs))
-            # Published first, recorded second: a worker lost in between makes its successor
-            # repeat this token, which the gateway drops by its index, rather than skip it.
-            pipe.rpush(self.keys.progress(rid), out.sequence.output_ids[out.index])
             if out.index == 0:
                 pipe.expire(self.keys.progress(rid), PROGRESS_TTL_SECONDS)
             if out.finish_reason:
