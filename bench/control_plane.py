@@ -89,15 +89,15 @@ def scaling(worker_counts: list[int], step_ms: float, new_tokens: int, rounds: i
             streams = slots * workers
             load(running.url, streams, streams, 4)  # warm-up
             before = scheduler.cpu_times()
-            results = [load(running.url, streams, rounds * streams, new_tokens)]
+            result = load(running.url, streams, rounds * streams, new_tokens)
             after = scheduler.cpu_times()
         requests = rounds * streams
         scheduler_cpu = (after.user + after.system) - (before.user + before.system)
         rows.append({"workers": workers, "streams": streams, "requests": requests,
-                     "output_tok_s": results[0]["output_tok_s"], "failed": results[0]["failed"],
+                     "output_tok_s": result["output_tok_s"], "failed": result["failed"],
                      "engine_limit_tok_s": workers * slots / (step_ms / 1000),
                      "scheduler_cpu_s_per_1000_requests": scheduler_cpu / requests * 1000,
-                     "scheduler_cpu_share": scheduler_cpu / results[0]["duration_s"]})
+                     "scheduler_cpu_share": scheduler_cpu / result["duration_s"]})
         print(json.dumps(rows[-1]), flush=True)
     for row in rows:
         row["of_linear"] = row["output_tok_s"] / (rows[0]["output_tok_s"] * row["workers"] / rows[0]["workers"])

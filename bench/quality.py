@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from common.protocol import SamplingParams  # noqa: E402
 from common.settings import Settings  # noqa: E402
-from worker.engine import Engine  # noqa: E402
+from worker.engine import Engine, left_padded  # noqa: E402
 from worker.model import LoadedModel, load_model  # noqa: E402
 
 QUESTIONS = [
@@ -58,23 +58,15 @@ ANSWER_TOKENS = 48
 SPEED_TOKENS = 64
 
 
-def chat_ids(loaded: LoadedModel, question: str) -> list[int]:
-    return list(loaded.tokenizer.apply_chat_template([{"role": "user", "content": question}],
-                                                     add_generation_prompt=True, tokenize=True,
-                                                     return_dict=True)["input_ids"])
-
-
-def left_padded(loaded: LoadedModel, prompts: list[list[int]]) -> dict[str, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    pad = loaded.eos_token_ids[0]
-    return {"input_ids": torch.tensor([[pad] * (width - len(p)) + p for p in prompts]),
-            "attention_mask": torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])}
+def batch_inputs(loaded: LoadedModel, prompts: list[list[int]]) -> dict[str, torch.Tensor]:
+    ids, mask = left_padded(prompts, loaded.eos_token_ids[0])
+    return {"input_ids": ids, "attention_mask": mask}
 
 
 @torch.inference_mode()
 def answers(loaded: LoadedModel, prompts: list[list[int]]) -> list[list[int]]:
     """Greedy answers of the batch, each padded with EOS to ANSWER_TOKENS."""
-    inputs = left_padded(loaded, prompts)
+    inputs = batch_inputs(loaded, prompts)
     pad = loaded.eos_token_ids[0]
     out = loaded.model.generate(**inputs, max_new_tokens=ANSWER_TOKENS, do_sample=False, pad_token_id=pad)
     new = out[:, inputs["input_ids"].shape[1]:].tolist()
@@ -115,7 +107,7 @@ def decode_ms(loaded: LoadedModel, prompts: list[list[int]], steps: int) -> tupl
     """Mean ms of one decode forward of the batch (prefill excluded), with a plain KV-cache loop: wall
     time, and this process's CPU time (less sensitive to other load on a shared machine, with 1 thread)."""
     model = loaded.model
-    inputs = left_padded(loaded, prompts)
+    inputs = batch_inputs(loaded, prompts)
     mask = inputs["attention_mask"]
     cache = DynamicCache(config=model.config)
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
@@ -132,7 +124,7 @@ def decode_ms(loaded: LoadedModel, prompts: list[list[int]], steps: int) -> tupl
 
 @torch.inference_mode()
 def generate_tok_s(loaded: LoadedModel, prompts: list[list[int]]) -> float:
-    inputs = left_padded(loaded, prompts)
+    inputs = batch_inputs(loaded, prompts)
     start = time.perf_counter()
     out = loaded.model.generate(**inputs, max_new_tokens=SPEED_TOKENS, min_new_tokens=SPEED_TOKENS, do_sample=False,
                                 pad_token_id=loaded.eos_token_ids[0])
@@ -149,7 +141,7 @@ def main() -> None:
     models = {quant: load_model(Settings(worker_quant=quant, worker_threads=args.threads))
               for quant in ("none", "int8")}
     fp32, int8 = models["none"], models["int8"]
-    prompts = [chat_ids(fp32, q) for q in QUESTIONS]
+    prompts = [fp32.chat_ids([{"role": "user", "content": q}]) for q in QUESTIONS]
 
     reference, quantised = answers(fp32, prompts), answers(int8, prompts)
     rows = []

@@ -107,10 +107,8 @@ def test_seeded_sampling_repeats_and_does_not_depend_on_batch_mates(loaded: Load
 
 def test_finish_reasons(loaded: LoadedModel) -> None:
     engine = Engine(loaded, 4)
-    chat = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}],
-                                                add_generation_prompt=True, tokenize=True,
-                                                return_dict=True)["input_ids"]
-    engine.add("chat", list(chat), SamplingParams(max_tokens=200, temperature=0))
+    chat = loaded.chat_ids([{"role": "user", "content": "Say hi."}])
+    engine.add("chat", chat, SamplingParams(max_tokens=200, temperature=0))
     engine.add("short", loaded.tokenizer("Hello")["input_ids"], SamplingParams(max_tokens=2, temperature=0))
     reasons = {}
     while engine.has_work():

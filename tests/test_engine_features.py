@@ -140,10 +140,8 @@ def test_held_back_text_goes_out_with_the_last_token_at_a_length_finish(loaded: 
 
 
 def test_held_back_text_goes_out_with_the_end_of_sequence_token(loaded: LoadedModel) -> None:
-    chat = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}],
-                                                add_generation_prompt=True, tokenize=True,
-                                                return_dict=True)["input_ids"]
-    check_flush(loaded, list(chat), SamplingParams(max_tokens=200, temperature=0), "stop")
+    chat = loaded.chat_ids([{"role": "user", "content": "Say hi."}])
+    check_flush(loaded, chat, SamplingParams(max_tokens=200, temperature=0), "stop")
 
 
 def test_penalties_lower_the_logits_of_generated_tokens_by_count_and_presence() -> None:

@@ -11,7 +11,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from common.protocol import SamplingParams
 from common.settings import Settings
-from worker.engine import Engine
+from worker.engine import Engine, left_padded
 from worker.model import LoadedModel, load_model
 from worker.quant import ROWWISE_ATTENTION, Int8Linear, Int8LlamaLayer, quantize_int8
 
@@ -25,9 +25,7 @@ def loaded() -> LoadedModel:
 
 
 def chat(loaded: LoadedModel, question: str) -> list[int]:
-    return list(loaded.tokenizer.apply_chat_template([{"role": "user", "content": question}],
-                                                     add_generation_prompt=True, tokenize=True,
-                                                     return_dict=True)["input_ids"])
+    return loaded.chat_ids([{"role": "user", "content": question}])
 
 
 def layer(in_features: int = 576, out_features: int = 1536, bias: bool = True) -> tuple[nn.Linear, Int8Linear]:
@@ -133,10 +131,7 @@ def shaped(prompts: list[list[int]], lengths: str) -> list[list[int]]:
 @pytest.mark.parametrize("lengths", ["different", "equal", "runs"])
 def test_a_batch_gives_each_prompt_its_solo_logits_bit_for_bit(loaded: LoadedModel, lengths: str) -> None:
     prompts = shaped([chat(loaded, q) for q in QUESTIONS], lengths)
-    width = max(len(p) for p in prompts)
-    pad = loaded.eos_token_ids[0]
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids, mask = left_padded(prompts, loaded.eos_token_ids[0])
     with torch.inference_mode():
         together = loaded.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
                                 logits_to_keep=1).logits[:, -1]

@@ -93,6 +93,15 @@ class _Batch:
         self.positions = torch.cat([self.positions, other.positions])
 
 
+def left_padded(prompts: list[list[int]], pad_id: int, device: torch.device | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask of `prompts` as one left-padded batch."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    return ids, mask
+
+
 def _pad_left(tensor: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
     missing = width - tensor.shape[dim]
     if missing == 0:
@@ -198,10 +207,7 @@ class Engine:
         """Prefill the prompts together; returns their batch and each one's last logits."""
         device = self.loaded.device
         contexts = [s.prompt_ids for s in sequences]
-        width = max(len(c) for c in contexts)
-        pad_id = self.loaded.eos_token_ids[0]
-        ids = torch.tensor([[pad_id] * (width - len(c)) + c for c in contexts], device=device)
-        mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts], device=device)
+        ids, mask = left_padded(contexts, self.loaded.eos_token_ids[0], device)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         cache = new_cache(self.loaded.model.config)
         logits = self.loaded.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,

@@ -29,14 +29,17 @@ class LoadedModel:
     def prompt_ids(self, submit: Submit) -> list[int]:
         """Chat-shaped requests get the model's chat template; raw prompts are used as given."""
         if submit.messages is not None and self.tokenizer.chat_template:
-            messages = [{"role": m.role, "content": m.content} for m in submit.messages]
-            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                           return_dict=True)["input_ids"])
+            return self.chat_ids([{"role": m.role, "content": m.content} for m in submit.messages])
         if submit.messages is not None:
             text = "\n".join(f"{m.role}: {m.content}" for m in submit.messages) + "\nassistant:"
         else:
             text = submit.prompt or ""
         return self.tokenizer(text)["input_ids"]
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """`messages` (role and content each) through the chat template, ready for the assistant's answer."""
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=True)["input_ids"])
 
 
 def _source(settings: Settings) -> tuple[str, dict[str, str]]:

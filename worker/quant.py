@@ -55,7 +55,6 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = linears[0].in_features, sum(lin.out_features for lin in linears)
         self.dtype = linears[0].weight.dtype
         weight = torch.cat([lin.weight.detach().float() for lin in linears])
-        biases = [lin.bias for lin in linears]
         scale = weight.abs().amax(dim=1).clamp_min(EPS) / WEIGHT_MAX
         q = torch.round(weight / scale[:, None]).clamp_(-WEIGHT_MAX, WEIGHT_MAX).to(torch.int8)
         zero_points = torch.zeros(self.out_features, dtype=torch.long)
@@ -66,10 +65,9 @@ class Int8Linear(nn.Module):
             qweight = torch._make_per_channel_quantized_tensor(q, scale.double(), zero_points, 0)
         # No bias in the packed weight: the kernel would add it before the row scale is applied.
         self.packed = torch.ops.quantized.linear_prepack(qweight, None)  # packs for the current engine: fbgemm
-        self.bias = None if all(b is None for b in biases) else nn.Parameter(torch.cat([
-            torch.zeros(lin.out_features) if b is None else b.detach().float() for lin, b in zip(linears, biases,
-                                                                                                 strict=True)]),
-            requires_grad=False)
+        biases = [torch.zeros(lin.out_features) if lin.bias is None else lin.bias.detach().float() for lin in linears]
+        has_bias = any(lin.bias is not None for lin in linears)
+        self.bias = nn.Parameter(torch.cat(biases), requires_grad=False) if has_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Six ops per call (30 layers x 7 linears per decode step: Python overhead counts at batch 1).
