@@ -12,6 +12,8 @@ from typing import Literal, TypeVar
 
 import msgspec
 
+from common.errors import ErrorCode
+
 T = TypeVar("T")
 
 
@@ -53,6 +55,9 @@ class Submit(msgspec.Struct, tag="submit"):
     # continues from, and how many times the request has moved.
     resume: list[int] = msgspec.field(default_factory=list)
     migrations: int = 0
+    # Whom the scheduler is fair to: an API key's digest, or one HTTP request's id when keys are off
+    # (all the prompts and choices of one request share it).
+    tenant: str = ""
 
 
 class Cancel(msgspec.Struct, tag="cancel"):
@@ -90,7 +95,7 @@ class Done(msgspec.Struct, tag="done"):
 
 
 class Error(msgspec.Struct, tag="error"):
-    code: str
+    code: ErrorCode
     message: str
 
 
@@ -112,6 +117,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat"):
     sent_at: float
     draining: bool = False
     metrics_port: int = 0
+    vocab: int = 0
 
 
 class TraceEvent(msgspec.Struct, array_like=True):
@@ -203,6 +209,27 @@ class Keys:
     def queued(self) -> str:
         """Counter of requests accepted but not yet dispatched, for admission control."""
         return f"{self.ns}:queued"
+
+    @property
+    def queued_bytes(self) -> str:
+        """Counter of the encoded bytes of those requests: the queue is bounded in bytes too."""
+        return f"{self.ns}:queued_bytes"
+
+    def in_flight(self, tenant: str) -> str:
+        """Sorted set of a tenant's requests still queued or running, scored by when each stops counting."""
+        return f"{self.ns}:inflight:{tenant}"
+
+    @property
+    def dead_letters(self) -> str:
+        """Stream of requests set aside after they failed a service repeatedly, for an operator to read."""
+        return f"{self.ns}:deadletter"
+
+
+# Length caps of the streams: entries are deleted once consumed, so these bound only a backlog.
+REQUEST_STREAM_MAXLEN = 100_000
+EVENT_STREAM_MAXLEN = 100_000
+INBOX_MAXLEN = 10_000
+DEAD_LETTER_MAXLEN = 1_000
 
 
 SCHEDULER_GROUP = "scheduler"

@@ -26,8 +26,17 @@ class Settings:
     worker_ttl: float = 5.0
     max_message_bytes: int = 1 << 20
     max_queue: int = 1024
+    max_queue_bytes: int = 64 << 20
     queue_timeout: float = 600.0
     api_keys: str = ""
+    key_max_requests: int = 64
+    client_buffer_bytes: int = 1 << 20
+    max_header_bytes: int = 16384
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    poison_limit: int = 3
+    redis_maxmemory: str = "1gb"
+    launcher_metrics_port: int = 9103
     migration_limit: int = 3
     drain_timeout: float = 25.0
     trace_ttl: float = 600.0
@@ -40,13 +49,35 @@ class Settings:
 
     @classmethod
     def from_env(cls) -> Settings:
-        """Each field is read from the upper-case environment variable of the same name."""
+        """Each field is read from the upper-case environment variable of the same name; a value that
+        does not parse, or is out of range, raises SettingsError naming the variable."""
         values = {}
         for field in fields(cls):
-            raw = os.environ.get(field.name.upper())
-            if raw is not None:
-                values[field.name] = type(field.default)(raw)
-        return cls(**values)
+            name = field.name.upper()
+            raw = os.environ.get(name)
+            if raw is None:
+                continue
+            kind = type(field.default)
+            try:
+                values[field.name] = kind(raw)
+            except ValueError:
+                raise SettingsError(f"{name}={raw!r}: expected {kind.__name__}") from None
+        settings = cls(**values)
+        settings.check()
+        return settings
+
+    def check(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, int | float) and value < 0:
+                raise SettingsError(f"{field.name.upper()}={value}: must not be negative")
+        for name in ("worker_slots", "max_message_bytes", "heartbeat_interval", "worker_ttl", "poison_limit"):
+            if getattr(self, name) <= 0:
+                raise SettingsError(f"{name.upper()}={getattr(self, name)}: must be positive")
+
+
+class SettingsError(ValueError):
+    """A setting's value cannot be used; the message names its environment variable."""
 
 
 def env_names() -> list[str]:

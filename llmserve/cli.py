@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from common.settings import SettingsError
 from llmserve.bench.run import add_arguments as add_bench_arguments
 from llmserve.bench.run import main as run_bench
 
@@ -43,7 +44,11 @@ def main() -> None:
         from scheduler.main import main as run
     else:
         from worker.main import main as run
-    run()
+    try:
+        run()
+    except SettingsError as exc:
+        # A bad setting is the operator's to fix: say which, and exit with a distinct status.
+        raise SystemExit(f"llmserve {args.command}: {exc}") from None
 
 
 if __name__ == "__main__":
