@@ -220,6 +220,11 @@ class Keys:
         return f"{self.ns}:inflight:{tenant}"
 
     @property
+    def clean_exit(self) -> str:
+        """Set by a scheduler that stopped on a signal: its successor owes the pending entries no blame."""
+        return f"{self.ns}:scheduler:clean_exit"
+
+    @property
     def dead_letters(self) -> str:
         """Stream of requests set aside after they failed a service repeatedly, for an operator to read."""
         return f"{self.ns}:deadletter"

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+import redis
+
 from common.protocol import Heartbeat, ProtocolError, decode
 
 T = TypeVar("T")
@@ -59,3 +61,11 @@ def parse_heartbeats(ids: Sequence[str], raws: Sequence[bytes | None], limit: in
         beats[worker_id] = None if raw is None else decode_or_drop(raw, Heartbeat, limit, log, "a heartbeat",
                                                                     worker_id=worker_id)
     return beats
+
+
+def redis_trouble(exc: BaseException) -> bool:
+    """Whether `exc` says Redis is away, restarted empty (NOGROUP), loading, or full (OOM under noeviction):
+    conditions a service waits out with backoff. Any other error is a bug to surface."""
+    if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+        return True
+    return isinstance(exc, redis.ResponseError) and str(exc).startswith(("NOGROUP", "OOM", "LOADING"))

@@ -35,6 +35,7 @@ class Settings:
     header_timeout: float = 10.0
     body_timeout: float = 30.0
     poison_limit: int = 3
+    scheduling_policy: str = "fair"
     redis_maxmemory: str = "1gb"
     launcher_metrics_port: int = 9103
     migration_limit: int = 3
@@ -71,6 +72,8 @@ class Settings:
             value = getattr(self, field.name)
             if isinstance(value, int | float) and value < 0:
                 raise SettingsError(f"{field.name.upper()}={value}: must not be negative")
+        if self.scheduling_policy not in ("fair", "fifo"):
+            raise SettingsError(f"SCHEDULING_POLICY={self.scheduling_policy!r}: expected fair or fifo")
         for name in ("worker_slots", "max_message_bytes", "heartbeat_interval", "worker_ttl", "poison_limit"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name.upper()}={getattr(self, name)}: must be positive")

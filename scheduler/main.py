@@ -10,44 +10,43 @@ stream with those tokens, to continue on another worker."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import os
 import signal
-import socket
 import time
 import uuid
-from collections import deque
 
 import redis
 
+from common.errors import ErrorCode
 from common.protocol import (
+    DEAD_LETTER_MAXLEN,
+    INBOX_MAXLEN,
     PAYLOAD,
+    REQUEST_STREAM_MAXLEN,
     SCHEDULER_GROUP,
     Batch,
     Cancel,
     Error,
     Finished,
-    Heartbeat,
     Keys,
     ProtocolError,
     RequestMessage,
     Submit,
-    decode,
     encode,
     now,
 )
+from common.runtime import Backoff, decode_or_drop, parse_heartbeats, redis_trouble, service_id
 from common.settings import Settings
 from common.telemetry import serve_metrics, setup_logging
 from common.trace import stamp
 from scheduler import metrics
-from scheduler.batcher import WorkerState, plan
+from scheduler.policy import BATCH_OVERHEAD, Queued, WaitingQueue, WorkerState, fits_a_batch, plan
 
 log = logging.getLogger("scheduler")
 
 # One consumer name for every replica: a new leader reads its predecessor's pending entries.
 CONSUMER = "scheduler"
-STREAM_MAXLEN = 100_000
-MAX_BACKOFF = 5.0
 
 # Take the lease if it is free, or extend it if it is ours. KEYS: lease. ARGV: our id, ttl ms.
 _LEASE = """
@@ -64,20 +63,20 @@ class Scheduler:
         self.redis = redis.Redis.from_url(settings.redis_url)
         self.lease_script = self.redis.register_script(_LEASE)
         self.limit = settings.max_message_bytes
-        self.id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.id = service_id()
         self.stopping = False
+        self.first_take_over = True
         self._reset()
 
     def _reset(self) -> None:
         """Forget everything held in memory; `_take_over` rebuilds it from Redis."""
         self.leading = False
-        self.waiting: deque[Submit] = deque()
-        self.entry_of: dict[str, bytes] = {}  # request_id -> its stream entry, acked once it leaves the queue
+        self.queue = WaitingQueue(fair=self.settings.scheduling_policy == "fair")
         self.workers: dict[str, WorkerState] = {}
         self.next_refresh = 0.0
 
     def run(self) -> None:
-        backoff = 0.1
+        backoff = Backoff()
         while not self.stopping:
             try:
                 if self._hold_lease():
@@ -89,16 +88,19 @@ class Scheduler:
                         log.warning("lost the lease; standing by", extra={"scheduler": self.id})
                         self._reset()
                     time.sleep(self.settings.heartbeat_interval)
-                backoff = 0.1
-            except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError) as exc:
-                # NOGROUP: Redis came back empty between two calls; anything else is unexpected.
-                if isinstance(exc, redis.ResponseError) and "NOGROUP" not in str(exc):
+                backoff.reset()
+            except redis.RedisError as exc:
+                if not redis_trouble(exc):
                     raise
-                log.warning("redis unreachable or restarted; retrying", extra={"error": str(exc),
-                                                                              "retry_in_s": backoff})
+                delay = backoff.next()
+                log.warning("redis unreachable, restarted or full; retrying",
+                            extra={"error": str(exc), "retry_in_s": delay})
                 self._reset()
-                time.sleep(backoff)
-                backoff = min(backoff * 2, MAX_BACKOFF)
+                time.sleep(delay)
+        if self.leading:
+            # A successor need not count the entries we held as having crashed us.
+            with contextlib.suppress(redis.RedisError):
+                self.redis.set(self.keys.clean_exit, self.id, px=int(self.settings.worker_ttl * 10_000))
 
     def _hold_lease(self) -> bool:
         return bool(self.lease_script(keys=[self.keys.lease], args=[self.id, int(self.settings.worker_ttl * 1000)]))
@@ -111,13 +113,43 @@ class Scheduler:
             except redis.ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
+        pending = {p["message_id"]: p["times_delivered"]
+                   for p in self.redis.xpending_range(self.keys.requests, SCHEDULER_GROUP, "-", "+", 1 << 20)}
+        # A leader that died without a signal may have died of an entry it held: each such take-over counts
+        # one delivery against every pending entry (a re-read below counts one more, which we take back).
+        blame = int(self.first_take_over and not self.redis.getdel(self.keys.clean_exit))
+        self.first_take_over = False
+        poisoned = [entry for entry, count in pending.items() if blame and count >= self.settings.poison_limit]
+        self._set_aside(poisoned)
         # Entries read by an earlier scheduler but never dispatched (or accounted) are still pending.
         cursors = {self.keys.requests: "0", self.keys.events: "0"}
         while cursors:
             replies = self._consume(cursors, block_ms=None)
             cursors = {stream.decode(): entries[-1][0] for stream, entries in replies if entries}
+        counts: dict[int, list[bytes]] = {}
+        for entry, count in pending.items():
+            if entry not in poisoned:
+                counts.setdefault(count + blame, []).append(entry)
+        for count, entries in counts.items():
+            self.redis.xclaim(self.keys.requests, SCHEDULER_GROUP, CONSUMER, 0, entries, retrycount=count,
+                              justid=True)
         self.leading = True
-        log.info("scheduler leading", extra={"scheduler": self.id, "recovered": len(self.waiting)})
+        log.info("scheduler leading", extra={"scheduler": self.id, "recovered": len(self.queue)})
+
+    def _set_aside(self, poisoned: list[bytes]) -> None:
+        """Request entries pending through POISON_LIMIT leaders that died are taken as what killed them:
+        each goes to the dead letters with an error to its client, instead of into the next leader."""
+        pipe = self.redis.pipeline(transaction=False)
+        for entry_id in poisoned:
+            found = self.redis.xrange(self.keys.requests, entry_id, entry_id)
+            payload = found[0][1].get(PAYLOAD) if found else None
+            message = decode_or_drop(payload, RequestMessage, self.limit, log, "a poisoned entry", entry=entry_id)
+            if isinstance(message, Submit):
+                self._dead_letter(pipe, message, "it was pending when the scheduler died, repeatedly")
+                self._leave_queue(pipe, [Queued(message, entry_id, len(payload))])
+            else:
+                self._ack(pipe, self.keys.requests, [entry_id])
+        pipe.execute()
 
     def _tick(self) -> None:
         self._consume({self.keys.requests: ">", self.keys.events: ">"},
@@ -126,58 +158,74 @@ class Scheduler:
             self._refresh_workers()
             self._expire()
         self._dispatch()
-        metrics.WAITING.set(len(self.waiting))
+        metrics.WAITING.set(len(self.queue))
         metrics.WORKERS.set(len(self.workers))
         metrics.FREE_SLOTS.set(sum(w.free for w in self.workers.values()))
 
     def _consume(self, streams: dict[str, str | bytes], block_ms: int | None) -> list:
-        """Read both streams; everything the entries cause goes to Redis in one pipeline."""
+        """Read both streams; everything the entries cause goes to Redis in one pipeline. A failure
+        while handling one entry sets that entry aside and fails its request, and nothing else."""
         replies = self.redis.xreadgroup(SCHEDULER_GROUP, CONSUMER, streams, count=512, block=block_ms)
         pipe = self.redis.pipeline(transaction=False)
         for stream, entries in replies:
             if stream.decode() == self.keys.requests:
                 for entry_id, fields in entries:
-                    self._on_request(pipe, entry_id, fields or {})
+                    self._guarded(pipe, entry_id, fields or {})
             elif entries:
                 for _entry_id, fields in entries:
                     self._on_event(pipe, fields or {})
-                pipe.xack(self.keys.events, SCHEDULER_GROUP, *(entry_id for entry_id, _ in entries))
+                self._ack(pipe, self.keys.events, [entry_id for entry_id, _ in entries])
         pipe.execute()
         return replies
+
+    def _guarded(self, pipe: redis.client.Pipeline, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+        message = decode_or_drop(fields.get(PAYLOAD), RequestMessage, self.limit, log, "a malformed request",
+                                 entry=entry_id)
+        try:
+            if message is None:
+                self._ack(pipe, self.keys.requests, [entry_id])
+            elif isinstance(message, Cancel):
+                self._ack(pipe, self.keys.requests, [entry_id])
+                self._cancel(pipe, message)
+            else:
+                self._on_submit(pipe, Queued(message, entry_id, len(fields[PAYLOAD])))
+        except Exception:
+            log.exception("a request failed the scheduler; set aside", extra={"entry": entry_id})
+            if isinstance(message, Submit):
+                self.queue.remove(message.request_id)
+                self._dead_letter(pipe, message, "it raised in the scheduler")
+                self._leave_queue(pipe, [Queued(message, entry_id, len(fields[PAYLOAD]))])
+
+    def _ack(self, pipe: redis.client.Pipeline, stream: str, entry_ids: list[bytes]) -> None:
+        """Acknowledge and delete: a consumed entry keeps nothing in Redis."""
+        if entry_ids:
+            pipe.xack(stream, SCHEDULER_GROUP, *entry_ids)
+            pipe.xdel(stream, *entry_ids)
 
     def _stamp(self, pipe: redis.client.Pipeline, request_id: str, hop: str, **detail: str | int | float) -> None:
         stamp(pipe, self.keys, request_id, hop, "scheduler", self.settings.trace_ttl, **detail)
 
-    def _on_request(self, pipe: redis.client.Pipeline, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
-        try:
-            message = decode(fields[PAYLOAD], RequestMessage, self.limit)
-        except (ProtocolError, KeyError) as exc:
-            log.error("dropped a malformed request", extra={"entry": entry_id, "error": str(exc)})
-            pipe.xack(self.keys.requests, SCHEDULER_GROUP, entry_id)
+    def _on_submit(self, pipe: redis.client.Pipeline, item: Queued) -> None:
+        rid = item.request_id
+        if not fits_a_batch(item.size, self.limit):
+            self._leave_queue(pipe, [item])
+            self._fail(pipe, rid, ErrorCode.REQUEST_TOO_LARGE,
+                       f"the request is {item.size} bytes on the bus; at most {self.limit - BATCH_OVERHEAD} fit")
             return
-        if isinstance(message, Cancel):
-            pipe.xack(self.keys.requests, SCHEDULER_GROUP, entry_id)
-            self._cancel(pipe, message)
-            return
-        self.entry_of[message.request_id] = entry_id
-        if message.migrations:
-            self.waiting.appendleft(message)  # it was running: it goes first
-        else:
-            self.waiting.append(message)
-        self._stamp(pipe, message.request_id, "queued", waiting=len(self.waiting), migrations=message.migrations)
-        log.info("queued", extra={"request_id": message.request_id, "waiting": len(self.waiting),
-                                  "migrations": message.migrations})
+        self.queue.add(item)
+        self._stamp(pipe, rid, "queued", waiting=len(self.queue), migrations=item.submit.migrations)
+        log.info("queued", extra={"request_id": rid, "waiting": len(self.queue), "tenant": item.tenant,
+                                  "migrations": item.submit.migrations})
 
     def _cancel(self, pipe: redis.client.Pipeline, cancel: Cancel) -> None:
         rid = cancel.request_id
-        for submit in self.waiting:
-            if submit.request_id == rid:
-                self.waiting.remove(submit)
-                self._leave_queue(pipe, [submit])
-                pipe.delete(self.keys.progress(rid))
-                self._stamp(pipe, rid, "cancelled", where="queue")
-                log.info("cancelled while queued", extra={"request_id": rid})
-                return
+        queued = self.queue.remove(rid)
+        if queued:
+            self._leave_queue(pipe, [queued])
+            pipe.delete(self.keys.progress(rid))
+            self._stamp(pipe, rid, "cancelled", where="queue")
+            log.info("cancelled while queued", extra={"request_id": rid})
+            return
         for worker in self.workers.values():
             if rid in worker.assigned:
                 pipe.xadd(self.keys.inbox(worker.worker_id), {PAYLOAD: encode(cancel, self.limit)})
@@ -185,49 +233,44 @@ class Scheduler:
                 return
 
     def _on_event(self, pipe: redis.client.Pipeline, fields: dict[bytes, bytes]) -> None:
-        try:
-            event = decode(fields[PAYLOAD], Finished, self.limit)
-        except (ProtocolError, KeyError) as exc:
-            log.error("dropped a malformed worker event", extra={"error": str(exc)})
+        event = decode_or_drop(fields.get(PAYLOAD), Finished, self.limit, log, "a malformed worker event")
+        if event is None:
             return
         pipe.hdel(self.keys.assigned(event.worker_id), event.request_id)
         worker = self.workers.get(event.worker_id)
         if worker:
-            worker.assigned.discard(event.request_id)
+            worker.assigned.pop(event.request_id, None)
 
     def _refresh_workers(self) -> None:
         self.next_refresh = now() + self.settings.heartbeat_interval
         ids = sorted(member.decode() for member in self.redis.smembers(self.keys.workers))
-        beats = self.redis.mget([self.keys.heartbeat(i) for i in ids]) if ids else []
+        beats = parse_heartbeats(ids, self.redis.mget([self.keys.heartbeat(i) for i in ids]) if ids else [],
+                                 self.limit, log)
         alive: dict[str, WorkerState] = {}
-        for worker_id, raw in zip(ids, beats, strict=True):
-            beat = self._heartbeat(worker_id, raw)
+        for worker_id, beat in beats.items():
             if beat is None:
                 self._lose(worker_id)
                 continue
-            state = self.workers.get(worker_id)
-            if state is None:
-                known = {rid.decode() for rid in self.redis.hkeys(self.keys.assigned(worker_id))}
-                state = WorkerState(worker_id, beat.slots, known)
-                log.info("worker joined", extra={"worker_id": worker_id, "slots": beat.slots, "running": len(known)})
+            state = self.workers.get(worker_id) or self._joined(worker_id, beat.slots)
             state.draining = beat.draining
             alive[worker_id] = state
         for worker_id in self.workers.keys() - alive.keys() - set(ids):
             self._lose(worker_id)
         self.workers = alive
 
-    def _heartbeat(self, worker_id: str, raw: bytes | None) -> Heartbeat | None:
-        if raw is None:
-            return None
-        try:
-            return decode(raw, Heartbeat, self.limit)
-        except ProtocolError as exc:
-            log.error("bad heartbeat", extra={"worker_id": worker_id, "error": str(exc)})
-            return None
+    def _joined(self, worker_id: str, slots: int) -> WorkerState:
+        """A worker seen for the first time (or again, by a new leader): what it already runs comes
+        from its assignments in Redis."""
+        known = {}
+        for rid, payload in self.redis.hgetall(self.keys.assigned(worker_id)).items():
+            submit = decode_or_drop(payload, Submit, self.limit, log, "an assignment", worker_id=worker_id)
+            known[rid.decode()] = submit.tenant if submit else ""
+        log.info("worker joined", extra={"worker_id": worker_id, "slots": slots, "running": len(known)})
+        return WorkerState(worker_id, slots, known)
 
     def _lose(self, worker_id: str) -> None:
-        """Put the requests of a worker that is gone back on the stream, each with the tokens it
-        has already delivered, or end them with an error past the migration limit."""
+        """Put the requests of a worker that is gone back on the stream, each with the tokens it has
+        already delivered. Each request is handled on its own: one that cannot move fails alone."""
         assigned = self.redis.hgetall(self.keys.assigned(worker_id))
         if assigned:
             metrics.WORKERS_LOST.inc()
@@ -237,12 +280,14 @@ class Scheduler:
         for rid in assigned:
             reads.lrange(self.keys.progress(rid.decode()), 0, -1)
         pipe = self.redis.pipeline(transaction=False)
-        for payload, delivered in zip(assigned.values(), reads.execute(), strict=True):
+        for (rid, payload), delivered in zip(assigned.items(), reads.execute(), strict=True):
+            submit = decode_or_drop(payload, Submit, self.limit, log, "an assignment", worker_id=worker_id)
             try:
-                submit = decode(payload, Submit, self.limit)
-            except ProtocolError:
-                continue
-            self._migrate(pipe, submit, [int(t) for t in delivered])
+                if submit is not None:
+                    self._migrate(pipe, submit, [int(t) for t in delivered])
+            except Exception:
+                log.exception("a request could not be migrated; set aside", extra={"request_id": rid.decode()})
+                self._dead_letter(pipe, submit, "it raised while migrating")
         pipe.delete(self.keys.assigned(worker_id), self.keys.inbox(worker_id))
         pipe.srem(self.keys.workers, worker_id)
         pipe.execute()
@@ -250,70 +295,91 @@ class Scheduler:
     def _migrate(self, pipe: redis.client.Pipeline, submit: Submit, delivered: list[int]) -> None:
         rid = submit.request_id
         if submit.migrations >= self.settings.migration_limit:
-            log.error("migration limit reached", extra={"request_id": rid, "migrations": submit.migrations})
-            error = Error("migration_limit", f"the request lost its worker {submit.migrations + 1} times")
-            pipe.publish(self.keys.results(rid), encode(error, self.limit))
-            pipe.delete(self.keys.progress(rid))
             metrics.MIGRATION_FAILURES.inc()
+            self._fail(pipe, rid, ErrorCode.MIGRATION_LIMIT,
+                       f"the request lost its worker {submit.migrations + 1} times")
             return
         submit.resume = delivered
         submit.migrations += 1
+        try:
+            payload = encode(submit, self.limit - BATCH_OVERHEAD)
+        except ProtocolError:
+            self._fail(pipe, rid, ErrorCode.REQUEST_TOO_LARGE,
+                       f"the request lost its worker, and with its {len(delivered)} delivered tokens it no longer "
+                       "fits one message to another")
+            return
         metrics.MIGRATIONS.inc()
         self._stamp(pipe, rid, "migrated", resume_tokens=len(delivered), migrations=submit.migrations)
         log.warning("migrating", extra={"request_id": rid, "resume_tokens": len(delivered),
                                         "migrations": submit.migrations})
-        pipe.xadd(self.keys.requests, {PAYLOAD: encode(submit, self.limit)}, maxlen=STREAM_MAXLEN, approximate=True)
+        pipe.xadd(self.keys.requests, {PAYLOAD: payload}, maxlen=REQUEST_STREAM_MAXLEN, approximate=True)
 
     def _expire(self) -> None:
         """Requests that waited past their deadline leave the queue with a timeout error."""
         clock = now()
-        expired = [s for s in self.waiting if s.deadline and s.deadline < clock]
+        expired = self.queue.expired(clock)
         if not expired:
             return
-        self.waiting = deque(s for s in self.waiting if s not in expired)
         pipe = self.redis.pipeline(transaction=False)
         self._leave_queue(pipe, expired)
-        for submit in expired:
-            waited = clock - submit.submitted_at
-            log.warning("timed out in the queue", extra={"request_id": submit.request_id, "waited_s": waited})
-            message = Error("queue_timeout", f"no worker took the request within {waited:.1f} s")
-            pipe.publish(self.keys.results(submit.request_id), encode(message, self.limit))
-            self._stamp(pipe, submit.request_id, "timed_out", waited_s=round(waited, 3))
+        for item in expired:
+            waited = clock - item.submit.submitted_at
             metrics.QUEUE_TIMEOUTS.inc()
+            self._fail(pipe, item.request_id, ErrorCode.QUEUE_TIMEOUT,
+                       f"no worker took the request within {waited:.1f} s")
         pipe.execute()
 
-    def _leave_queue(self, pipe: redis.client.Pipeline, submits: list[Submit]) -> None:
-        """Requests off the waiting queue: their stream entries are done, and the admission count
-        drops for those the gateway counted in (not those re-queued after a worker loss)."""
-        pipe.xack(self.keys.requests, SCHEDULER_GROUP, *(self.entry_of.pop(s.request_id) for s in submits))
-        admitted = sum(1 for s in submits if not s.migrations)
+    def _fail(self, pipe: redis.client.Pipeline, request_id: str, code: ErrorCode, message: str) -> None:
+        """End a request the scheduler holds with an error to its client."""
+        log.warning("request failed", extra={"request_id": request_id, "code": code, "error": message})
+        pipe.publish(self.keys.results(request_id), encode(Error(code, message), self.limit))
+        pipe.delete(self.keys.progress(request_id))
+        self._stamp(pipe, request_id, "failed", code=code)
+        metrics.FAILED.labels(code).inc()
+
+    def _dead_letter(self, pipe: redis.client.Pipeline, submit: Submit | None, reason: str) -> None:
+        """Set a request aside for an operator (its id and why, never its prompt) and fail it."""
+        if submit is None:
+            return
+        metrics.DEAD_LETTERS.inc()
+        pipe.xadd(self.keys.dead_letters, {b"request_id": submit.request_id, b"reason": reason,
+                                           b"service": "scheduler", b"at": str(now())},
+                  maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+        self._fail(pipe, submit.request_id, ErrorCode.DEAD_LETTER, f"the request was set aside: {reason}")
+
+    def _leave_queue(self, pipe: redis.client.Pipeline, items: list[Queued]) -> None:
+        """Requests off the waiting queue: their stream entries are done, and the admission counts drop
+        for those the gateway counted in (not those re-queued after a worker loss)."""
+        self._ack(pipe, self.keys.requests, [item.entry_id for item in items])
+        admitted = [item for item in items if not item.submit.migrations]
         if admitted:
-            pipe.decrby(self.keys.queued, admitted)
+            pipe.decrby(self.keys.queued, len(admitted))
+            pipe.decrby(self.keys.queued_bytes, sum(item.size for item in admitted))
 
     def _dispatch(self) -> None:
-        if not self.waiting:
+        if not self.queue:
             return
-        batches = plan(self.waiting, list(self.workers.values()))
+        batches = plan(self.queue, list(self.workers.values()), self.limit)
         if not batches:
             return
         pipe = self.redis.pipeline(transaction=False)
-        self._leave_queue(pipe, [submit for sequences in batches.values() for submit in sequences])
+        self._leave_queue(pipe, [item for _, batch in batches for item in batch])
         clock = now()
-        for worker_id, sequences in batches.items():
-            batch = Batch(uuid.uuid4().hex[:12], sequences)
+        for worker_id, items in batches:
+            batch = Batch(uuid.uuid4().hex[:12], [item.submit for item in items])
             pipe.hset(self.keys.assigned(worker_id),
-                      mapping={s.request_id: encode(s, self.limit) for s in sequences})
+                      mapping={item.request_id: encode(item.submit, self.limit) for item in items})
             pipe.xadd(self.keys.inbox(worker_id), {PAYLOAD: encode(batch, self.limit)},
-                      maxlen=10_000, approximate=True)
+                      maxlen=INBOX_MAXLEN, approximate=True)
             metrics.BATCHES.inc()
-            for submit in sequences:
-                self.workers[worker_id].assigned.add(submit.request_id)
-                self._stamp(pipe, submit.request_id, "dispatched", batch_id=batch.batch_id, worker_id=worker_id,
-                            batch_size=len(sequences))
-                metrics.DISPATCH_LATENCY.observe(max(clock - submit.submitted_at, 0.0))
-                log.info("dispatched", extra={"request_id": submit.request_id, "batch_id": batch.batch_id,
+            for item in items:
+                self.workers[worker_id].assigned[item.request_id] = item.tenant
+                self._stamp(pipe, item.request_id, "dispatched", batch_id=batch.batch_id, worker_id=worker_id,
+                            batch_size=len(items))
+                metrics.DISPATCH_LATENCY.observe(max(clock - item.submit.submitted_at, 0.0))
+                log.info("dispatched", extra={"request_id": item.request_id, "batch_id": batch.batch_id,
                                               "worker_id": worker_id})
-            metrics.DISPATCHED.inc(len(sequences))
+            metrics.DISPATCHED.inc(len(items))
         pipe.execute()
 
 

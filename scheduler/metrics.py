@@ -16,3 +16,6 @@ MIGRATIONS = Counter("llmserve_scheduler_migrations_total", "Requests moved off 
 QUEUE_TIMEOUTS = Counter("llmserve_scheduler_queue_timeouts_total", "Requests dropped after their queue deadline")
 MIGRATION_FAILURES = Counter("llmserve_scheduler_migration_limit_total", "Requests failed past the migration limit")
 WORKERS_LOST = Counter("llmserve_scheduler_workers_lost_total", "Workers gone with requests in flight")
+FAILED = Counter("llmserve_scheduler_failed_total", "Requests the scheduler ended with an error", ["code"])
+DEAD_LETTERS = Counter("llmserve_scheduler_dead_letters_total",
+                       "Requests set aside after they failed the scheduler (also counted in failed_total)")

@@ -1,0 +1,149 @@
+"""Who runs next, on which worker, in which message: the scheduler's policy as pure code.
+
+- Requests moved off a lost worker go first: their clients are already mid-stream.
+- Among the rest, the tenant with the fewest requests running goes next (ties: the oldest
+  request first), so a flood from one tenant does not delay another's first token, and
+  one tenant never holds every slot: a few stay free for a newcomer.
+- Each request goes to the worker with the most free slots; each worker's share is cut
+  into batches that fit one bus message.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from common.protocol import Submit
+
+# Bytes of a Batch message around its sequences (tag, field names, batch id), with room to spare.
+BATCH_OVERHEAD = 256
+
+
+@dataclass
+class Queued:
+    """A request waiting for a worker, with its stream entry and its encoded size."""
+
+    submit: Submit
+    entry_id: bytes
+    size: int
+
+    @property
+    def request_id(self) -> str:
+        return self.submit.request_id
+
+    @property
+    def tenant(self) -> str:
+        return self.submit.tenant
+
+
+@dataclass
+class WorkerState:
+    worker_id: str
+    slots: int
+    assigned: dict[str, str] = field(default_factory=dict)  # request_id -> tenant, until the worker frees it
+    draining: bool = False
+
+    @property
+    def free(self) -> int:
+        """Slots for new work: none while the worker drains before it stops."""
+        return 0 if self.draining else self.slots - len(self.assigned)
+
+
+def fits_a_batch(size: int, limit: int) -> bool:
+    """Whether a request of `size` encoded bytes can travel to a worker at all."""
+    return size + BATCH_OVERHEAD <= limit
+
+
+def tenant_cap(total_slots: int) -> int:
+    """The most slots one tenant may hold: all but an eighth (at least one, on clusters of two or more)."""
+    return max(1, total_slots - max(1, total_slots // 8))
+
+
+class WaitingQueue:
+    """The requests no worker has taken yet: the migrated lane, then one FIFO per tenant.
+    With `fair` off (SCHEDULING_POLICY=fifo) every request shares one FIFO and no tenant is capped."""
+
+    def __init__(self, fair: bool = True) -> None:
+        self.fair = fair
+        self.migrated: deque[Queued] = deque()
+        self.tenants: dict[str, deque[Queued]] = {}
+
+    def __len__(self) -> int:
+        return len(self.migrated) + sum(len(q) for q in self.tenants.values())
+
+    def __iter__(self) -> Iterator[Queued]:
+        yield from self.migrated
+        for queue in self.tenants.values():
+            yield from queue
+
+    def add(self, item: Queued) -> None:
+        if item.submit.migrations:
+            self.migrated.append(item)
+        else:
+            self.tenants.setdefault(item.tenant if self.fair else "", deque()).append(item)
+
+    def remove(self, request_id: str) -> Queued | None:
+        for item in self:
+            if item.request_id == request_id:
+                self._drop([item])
+                return item
+        return None
+
+    def expired(self, clock: float) -> list[Queued]:
+        """Take out and return every request whose queue deadline has passed."""
+        gone = [item for item in self if item.submit.deadline and item.submit.deadline < clock]
+        self._drop(gone)
+        return gone
+
+    def pop_next(self, running: Counter[str], cap: int) -> Queued | None:
+        """The next request to run, given how many each tenant runs; None if only capped tenants wait."""
+        if self.migrated:
+            return self.migrated.popleft()
+        ready = [(running[t], q[0].submit.submitted_at, t) for t, q in self.tenants.items() if running[t] < cap]
+        if not ready:
+            return None
+        tenant = min(ready)[2]
+        queue = self.tenants[tenant]
+        item = queue.popleft()
+        if not queue:
+            del self.tenants[tenant]
+        return item
+
+    def _drop(self, items: list[Queued]) -> None:
+        ids = {item.request_id for item in items}
+        if not ids:
+            return
+        self.migrated = deque(i for i in self.migrated if i.request_id not in ids)
+        for tenant in list(self.tenants):
+            left = deque(i for i in self.tenants[tenant] if i.request_id not in ids)
+            if left:
+                self.tenants[tenant] = left
+            else:
+                del self.tenants[tenant]
+
+
+def plan(queue: WaitingQueue, workers: list[WorkerState], limit: int) -> list[tuple[str, list[Queued]]]:
+    """Pop what the free slots take, as (worker_id, batch) pairs whose batches each fit `limit` bytes.
+
+    Filling the emptiest worker first spreads a burst over all workers (each one is separate
+    compute), while each worker still receives its share in as few messages as fit."""
+    free = {w.worker_id: w.free for w in workers if w.free > 0}
+    running = Counter(tenant for w in workers for tenant in w.assigned.values()) if queue.fair else Counter()
+    cap = tenant_cap(sum(w.slots for w in workers if not w.draining)) if queue.fair else sum(free.values())
+    batches: dict[str, list[list[Queued]]] = {}
+    sizes: dict[str, int] = {}
+    while free and (item := queue.pop_next(running, cap)) is not None:
+        worker_id = max(free, key=free.__getitem__)
+        chunks = batches.setdefault(worker_id, [[]])
+        if chunks[-1] and sizes[worker_id] + item.size > limit:
+            chunks.append([])
+        if not chunks[-1]:
+            sizes[worker_id] = BATCH_OVERHEAD
+        chunks[-1].append(item)
+        sizes[worker_id] += item.size
+        running[item.tenant if queue.fair else ""] += 1
+        free[worker_id] -= 1
+        if not free[worker_id]:
+            del free[worker_id]
+    return [(worker_id, chunk) for worker_id, chunks in batches.items() for chunk in chunks]

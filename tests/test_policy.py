@@ -1,0 +1,125 @@
+"""The scheduler's policy, pure: who runs next, on which worker, in which message."""
+
+from collections import Counter
+
+from common.protocol import SamplingParams, Submit
+from scheduler.policy import BATCH_OVERHEAD, Queued, WaitingQueue, WorkerState, fits_a_batch, plan, tenant_cap
+
+LIMIT = 1 << 20
+
+
+def item(rid: str, tenant: str = "t", at: float = 0.0, size: int = 100, migrations: int = 0,
+         deadline: float = 0.0) -> Queued:
+    submit = Submit(rid, SamplingParams(), prompt="p", submitted_at=at, tenant=tenant, migrations=migrations,
+                    deadline=deadline)
+    return Queued(submit, rid.encode(), size)
+
+
+def queue_of(*items: Queued) -> WaitingQueue:
+    queue = WaitingQueue()
+    for queued in items:
+        queue.add(queued)
+    return queue
+
+
+def ids(batch: list[Queued]) -> list[str]:
+    return [queued.request_id for queued in batch]
+
+
+def test_a_burst_is_spread_over_workers_as_one_batch_each() -> None:
+    queue = queue_of(*(item(f"r{i}", at=i) for i in range(6)))
+    batches = plan(queue, [WorkerState("a", 16), WorkerState("b", 16)], LIMIT)
+    assert sorted(len(batch) for _, batch in batches) == [3, 3]
+    assert not queue
+
+
+def test_no_worker_gets_more_than_its_free_slots_and_the_rest_waits_in_order() -> None:
+    busy = WorkerState("a", 4, assigned={"x": "other", "y": "other", "z": "other"})
+    queue = queue_of(*(item(f"r{i}", at=i) for i in range(5)))
+    batches = dict(plan(queue, [busy, WorkerState("b", 2)], LIMIT))
+    assert ids(batches["b"]) == ["r0", "r2"]
+    assert ids(batches["a"]) == ["r1"]
+    assert [q.request_id for q in queue] == ["r3", "r4"]
+
+
+def test_nothing_is_planned_without_free_workers() -> None:
+    queue = queue_of(item("r0"), item("r1", at=1))
+    assert plan(queue, [WorkerState("a", 1, assigned={"x": "t"})], LIMIT) == []
+    assert plan(queue, [], LIMIT) == []
+    assert len(queue) == 2
+
+
+def test_a_draining_worker_gets_nothing() -> None:
+    queue = queue_of(*(item(f"r{i}", at=i) for i in range(3)))
+    batches = plan(queue, [WorkerState("a", 16, draining=True), WorkerState("b", 16)], LIMIT)
+    assert [worker for worker, _ in batches] == ["b"] and len(batches[0][1]) == 3
+
+
+def test_migrated_requests_go_first() -> None:
+    queue = queue_of(item("new", at=0), item("moved", at=5, migrations=1))
+    [(_, batch)] = plan(queue, [WorkerState("a", 1)], LIMIT)
+    assert ids(batch) == ["moved"]
+
+
+def test_a_flooding_tenant_does_not_delay_a_newcomer() -> None:
+    flood = [item(f"heavy{i}", tenant="heavy", at=i) for i in range(100)]
+    queue = queue_of(*flood, item("light", tenant="light", at=1000))
+    worker = WorkerState("a", 8, assigned={f"run{i}": "heavy" for i in range(7)})
+    [(_, batch)] = plan(queue, [worker], LIMIT)
+    assert ids(batch) == ["light"]  # one slot free: it goes to the tenant that runs nothing
+
+
+def test_tenants_take_turns_by_what_they_run() -> None:
+    queue = queue_of(*(item(f"a{i}", tenant="A", at=i) for i in range(4)),
+                     *(item(f"b{i}", tenant="B", at=10 + i) for i in range(4)))
+    [(_, batch)] = plan(queue, [WorkerState("w", 4)], LIMIT)
+    assert sorted(ids(batch)) == ["a0", "a1", "b0", "b1"]
+
+
+def test_one_tenant_never_holds_every_slot() -> None:
+    queue = queue_of(*(item(f"r{i}", tenant="one", at=i) for i in range(40)))
+    workers = [WorkerState("a", 16), WorkerState("b", 16)]
+    batches = plan(queue, workers, LIMIT)
+    assert sum(len(batch) for _, batch in batches) == tenant_cap(32) == 28
+    assert len(queue) == 12
+    newcomer = queue_of(item("other", tenant="two"))
+    for worker_id, batch in batches:
+        next(w for w in workers if w.worker_id == worker_id).assigned.update({q.request_id: "one" for q in batch})
+    assert [ids(batch) for _, batch in plan(newcomer, workers, LIMIT)] == [["other"]]
+
+
+def test_a_tenant_alone_on_a_single_slot_still_runs() -> None:
+    assert tenant_cap(1) == 1 and tenant_cap(2) == 1 and tenant_cap(16) == 14
+
+
+def test_batches_are_cut_to_fit_one_message() -> None:
+    big = LIMIT // 3
+    queue = queue_of(*(item(f"r{i}", at=i, size=big) for i in range(7)))
+    batches = plan(queue, [WorkerState("a", 16)], LIMIT)
+    assert [len(batch) for _, batch in batches] == [2, 2, 2, 1]
+    assert all(BATCH_OVERHEAD + sum(q.size for q in batch) <= LIMIT for _, batch in batches)
+    assert [r for _, b in batches for r in ids(b)] == \
+        [f"r{i}" for i in range(7)]
+
+
+def test_a_request_fits_a_batch_only_with_room_for_the_envelope() -> None:
+    assert fits_a_batch(LIMIT - BATCH_OVERHEAD, LIMIT)
+    assert not fits_a_batch(LIMIT - BATCH_OVERHEAD + 1, LIMIT)
+
+
+def test_expired_and_removed_requests_leave_the_queue() -> None:
+    queue = queue_of(item("old", deadline=5.0), item("fresh", deadline=50.0, at=1), item("keep", at=2),
+                     item("moved", migrations=1, deadline=1.0))
+    assert sorted(q.request_id for q in queue.expired(10.0)) == ["moved", "old"]
+    assert queue.remove("keep").request_id == "keep"
+    assert queue.remove("nothing") is None
+    assert [q.request_id for q in queue] == ["fresh"]
+    assert queue.pop_next(Counter(), cap=1).request_id == "fresh" and not queue
+
+
+def test_fifo_serves_in_arrival_order_with_no_cap() -> None:
+    queue = WaitingQueue(fair=False)
+    for queued in [*(item(f"heavy{i}", tenant="heavy", at=i) for i in range(20)), item("light", "light", at=99)]:
+        queue.add(queued)
+    [(_, batch)] = plan(queue, [WorkerState("a", 16)], LIMIT)
+    assert ids(batch) == [f"heavy{i}" for i in range(16)]
