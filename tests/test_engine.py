@@ -151,3 +151,23 @@ def test_a_resumed_sequence_continues_exactly_as_it_would_have(loaded: LoadedMod
     rest = run(engine, {0: [("a", GREEDY)]})  # with a batch-mate joining in the same prefill
     assert rest["b"] == whole[6:]
     assert rest["a"] == solo(loaded, "a")
+
+
+def test_a_row_that_cannot_be_sampled_fails_alone_and_its_batch_mates_go_on(loaded: LoadedModel) -> None:
+    # The gateway refuses a NaN penalty; here it stands for any value that makes one row's sampling raise
+    # (from its second token on). Its batch-mates must finish exactly as they would alone.
+    broken = SamplingParams(max_tokens=16, temperature=1.0, frequency_penalty=float("nan"), ignore_eos=True)
+    huge_k = SamplingParams(max_tokens=4, temperature=1.0, top_k=2**63 - 1, seed=3, ignore_eos=True)
+    engine = Engine(loaded, 16)
+    for key, params in (("a", GREEDY), ("b", broken), ("c", huge_k)):
+        engine.add(key, loaded.tokenizer(PROMPTS[key])["input_ids"], params)
+    tokens, errors = {}, {}
+    while engine.has_work():
+        for out in engine.step():
+            if out.error:
+                errors[out.sequence.request_id] = out.error
+            else:
+                tokens.setdefault(out.sequence.request_id, []).append(out.sequence.output_ids[out.index])
+    assert list(errors) == ["b"] and len(tokens["b"]) == 1
+    assert tokens["a"] == solo(loaded, "a")
+    assert len(tokens["c"]) == 4  # a top_k past the vocabulary means the whole vocabulary

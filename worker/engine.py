@@ -10,6 +10,7 @@ its padding, so a greedy completion does not depend on its batch-mates.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -23,6 +24,8 @@ from worker.detokenizer import Detokenizer
 from worker.model import LoadedModel
 from worker.sampling import Logprobs, new_generator, sample
 from worker.stops import StopMatcher
+
+log = logging.getLogger("worker")
 
 
 class PromptTooLong(ValueError):
@@ -52,6 +55,8 @@ class StepOutput:
     finish_reason: str | None
     logprob: TokenLogprob | None = None
     top_logprobs: list[TokenLogprob] | None = None
+    # Set when this row alone failed (its token could not be chosen or decoded): it has left the batch.
+    error: str | None = None
 
 
 @dataclass
@@ -241,17 +246,49 @@ class Engine:
         """Sample the next token of rows first_row.. (those `logits` belong to) and retire finished rows."""
         batch = self.batch
         sequences = batch.sequences[first_row:]
-        eos = self.loaded.eos_token_ids
-        banned = [eos if s.params.ignore_eos or len(s.output_ids) < s.params.min_tokens else [] for s in sequences]
-        tokens, logprobs = sample(logits, [s.params for s in sequences], [s.generator for s in sequences], banned,
-                                  [s.output_ids for s in sequences])
-        batch.last_tokens[first_row:] = torch.tensor(tokens, device=batch.last_tokens.device)
-        outputs = [self._emit(*row) for row in zip(sequences, tokens, logprobs, strict=True)]
+        picks = self._sample(logits, sequences)
+        batch.last_tokens[first_row:] = torch.tensor([pick[0] if pick else 0 for pick in picks],
+                                                     device=batch.last_tokens.device)
+        outputs = [self._emit_or_fail(sequence, pick) for sequence, pick in zip(sequences, picks, strict=True)]
         keep = list(range(first_row)) + [row for row, out in enumerate(outputs, start=first_row)
-                                         if out.finish_reason is None]
+                                         if out.finish_reason is None and out.error is None]
         if len(keep) < len(batch.sequences):
             self._keep(keep)
         return outputs
+
+    def _sample(self, logits: torch.Tensor, sequences: list[Sequence]) -> list[tuple[int, Logprobs | None] | None]:
+        """Each row's token and log-probabilities, in one call for the batch. Should that call raise, each row
+        is sampled alone (rows are independent, so the picks are the same), and only rows that raise get None."""
+        eos = self.loaded.eos_token_ids
+        banned = [eos if s.params.ignore_eos or len(s.output_ids) < s.params.min_tokens else [] for s in sequences]
+
+        def pick(rows: slice) -> list[tuple[int, Logprobs | None]]:
+            chosen = sequences[rows]
+            tokens, logprobs = sample(logits[rows], [s.params for s in chosen], [s.generator for s in chosen],
+                                      banned[rows], [s.output_ids for s in chosen])
+            return list(zip(tokens, logprobs, strict=True))
+
+        try:
+            return pick(slice(None))
+        except Exception:
+            log.exception("sampling failed for the batch; sampling its rows one by one")
+        picks: list[tuple[int, Logprobs | None] | None] = []
+        for row in range(len(sequences)):
+            try:
+                picks += pick(slice(row, row + 1))
+            except Exception as exc:
+                log.warning("sampling failed", extra={"request_id": sequences[row].request_id, "error": str(exc)})
+                picks.append(None)
+        return picks
+
+    def _emit_or_fail(self, sequence: Sequence, pick: tuple[int, Logprobs | None] | None) -> StepOutput:
+        """The row's StepOutput; a row whose token cannot be chosen or turned into text fails alone."""
+        try:
+            if pick is None:
+                raise ValueError("no token could be sampled with these parameters")
+            return self._emit(sequence, *pick)
+        except Exception as exc:
+            return StepOutput(sequence, len(sequence.output_ids), "", None, error=str(exc))
 
     def _emit(self, sequence: Sequence, token: int, logprobs: Logprobs | None) -> StepOutput:
         """Append `token` to `sequence` and say what it adds: its text, less any held back for a possible

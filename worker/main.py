@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import signal
-import socket
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 
 import redis
 
+from common.errors import ErrorCode
 from common.protocol import (
     PAYLOAD,
     Batch,
@@ -25,13 +23,12 @@ from common.protocol import (
     Heartbeat,
     InboxMessage,
     Keys,
-    ProtocolError,
     Submit,
     Token,
-    decode,
     encode,
     now,
 )
+from common.runtime import Backoff, decode_or_drop, redis_trouble, service_id
 from common.settings import Settings
 from common.telemetry import serve_metrics, setup_logging
 from common.trace import stamp
@@ -42,7 +39,6 @@ from worker.sim import SimEngine, SimModel
 
 log = logging.getLogger("worker")
 
-MAX_BACKOFF = 5.0
 PROGRESS_TTL_SECONDS = 3600
 
 # Every token of a step in one call: published on its request's channel first, then recorded in its progress
@@ -77,7 +73,7 @@ class Worker:
         self.settings = settings
         self.keys = Keys(settings.namespace)
         self.redis = redis.Redis.from_url(settings.redis_url)
-        self.id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.id = service_id()
         self.loaded = loaded
         self.engine = engine
         self.inbox_cursor = "0-0"
@@ -105,14 +101,15 @@ class Worker:
                                         "slots": self.settings.worker_slots})
         heartbeats = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
         heartbeats.start()
-        backoff = 0.1
+        backoff = Backoff()
         while not self._done():
             try:
                 self._tend()
-                backoff = 0.1
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                self._lose_redis(exc, backoff)
-                backoff = min(backoff * 2, MAX_BACKOFF)
+                backoff.reset()
+            except redis.RedisError as exc:
+                if not redis_trouble(exc):
+                    raise
+                self._lose_redis(exc, backoff.next())
         self.beating = False
         self.beat_now.set()
         heartbeats.join()
@@ -130,7 +127,7 @@ class Worker:
     def _tend(self) -> None:
         if self.orphans:
             for request_id in self.orphans:
-                self._fail(request_id, "redis_unavailable", "the worker lost Redis while generating")
+                self._fail(request_id, ErrorCode.REDIS_UNAVAILABLE, "the worker lost Redis while generating")
             self.orphans = []
         self._read_inbox(block=not self.engine.has_work())
         self._step()
@@ -159,7 +156,8 @@ class Worker:
     def _heartbeat(self) -> None:
         beat = Heartbeat(self.id, self.loaded.name, self.loaded.max_length, self.settings.worker_slots,
                          len(self.engine.running), len(self.engine.waiting), self.finished_total, now(),
-                         draining=self.drain_until is not None, metrics_port=self.metrics_port)
+                         draining=self.drain_until is not None, metrics_port=self.metrics_port,
+                         vocab=self.loaded.vocab)
         ttl_ms = int(self.settings.worker_ttl * 1000)
         pipe = self.redis.pipeline(transaction=False)
         pipe.set(self.keys.heartbeat(self.id), encode(beat, self.settings.max_message_bytes), px=ttl_ms)
@@ -168,19 +166,19 @@ class Worker:
 
     def _read_inbox(self, block: bool) -> None:
         wait_ms = int(self.settings.heartbeat_interval * 1000) if block else None
-        replies = self.redis.xread({self.keys.inbox(self.id): self.inbox_cursor}, block=wait_ms)
+        inbox = self.keys.inbox(self.id)
+        replies = self.redis.xread({inbox: self.inbox_cursor}, block=wait_ms)
         for _stream, entries in replies:
             for entry_id, fields in entries:
                 self.inbox_cursor = entry_id
-                try:
-                    message = decode(fields[PAYLOAD], InboxMessage, self.settings.max_message_bytes)
-                except (ProtocolError, KeyError) as exc:
-                    log.error("dropped a malformed inbox message", extra={"entry": entry_id, "error": str(exc)})
-                    continue
+                message = decode_or_drop(fields.get(PAYLOAD), InboxMessage, self.settings.max_message_bytes, log,
+                                         "a malformed inbox message", entry=entry_id)
                 if isinstance(message, Batch):
                     self._admit(message)
-                else:
+                elif message is not None:
                     self._cancel(message)
+            # Read is done with: what the worker holds now lives in its engine, and in its assignments in Redis.
+            self.redis.xdel(inbox, *(entry_id for entry_id, _ in entries))
 
     def _step(self) -> None:
         started = time.perf_counter()
@@ -191,7 +189,7 @@ class Worker:
             # streams hanging: every sequence in the engine gets an error and the engine starts afresh.
             log.exception("engine step failed", extra={"worker_id": self.id})
             for sequence in self.engine.abort_all():
-                self._fail(sequence.request_id, "engine_error", "the worker failed while generating")
+                self._fail(sequence.request_id, ErrorCode.ENGINE_ERROR, "the worker failed while generating")
             return
         elapsed = time.perf_counter() - started
         if outputs:
@@ -212,14 +210,21 @@ class Worker:
                         resume_tokens=len(submit.resume))
             log.info("admitted", extra={"request_id": submit.request_id, "batch_id": batch.batch_id,
                                         "resume_tokens": len(submit.resume)})
-            if len(submit.resume) >= submit.params.max_tokens:
-                self._complete(submit)
-                continue
             try:
-                self.engine.add(submit.request_id, self.loaded.prompt_ids(submit), submit.params, submit.resume)
+                self._start(submit)
             except PromptTooLong as exc:
-                self._fail(submit.request_id, "context_length_exceeded", str(exc))
+                self._fail(submit.request_id, ErrorCode.CONTEXT_LENGTH_EXCEEDED, str(exc))
+            except Exception as exc:
+                # Whatever one request's fields do to the tokenizer or the engine, its batch-mates go on.
+                log.exception("a request could not start", extra={"request_id": submit.request_id})
+                self._fail(submit.request_id, ErrorCode.ENGINE_ERROR, f"the request could not start: {exc}")
         pipe.execute()
+
+    def _start(self, submit: Submit) -> None:
+        if len(submit.resume) >= submit.params.max_tokens:
+            self._complete(submit)
+        else:
+            self.engine.add(submit.request_id, self.loaded.prompt_ids(submit), submit.params, submit.resume)
 
     def _complete(self, submit: Submit) -> None:
         """A migrated request whose tokens were all delivered: only its Done went missing."""
@@ -229,7 +234,7 @@ class Worker:
         self._release(pipe, submit.request_id, "finished", reason="length", tokens=len(submit.resume))
         pipe.execute()
 
-    def _fail(self, request_id: str, code: str, message: str) -> None:
+    def _fail(self, request_id: str, code: ErrorCode, message: str) -> None:
         log.warning("request failed", extra={"request_id": request_id, "error": message})
         pipe = self.redis.pipeline(transaction=False)
         self._send(pipe, request_id, Error(code, message))
@@ -245,6 +250,9 @@ class Worker:
 
     def _publish(self, outputs: list[StepOutput], step_s: float) -> None:
         """One round trip to Redis per engine step, whatever the batch size."""
+        for failed in [out for out in outputs if out.error]:
+            self._fail(failed.sequence.request_id, ErrorCode.ENGINE_ERROR, failed.error)
+        outputs = [out for out in outputs if not out.error]
         if not outputs:
             return
         limit = self.settings.max_message_bytes

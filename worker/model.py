@@ -26,6 +26,11 @@ class LoadedModel:
     max_length: int
     eos_token_ids: list[int]
 
+    @property
+    def vocab(self) -> int:
+        """Width of the logits: the most a request's top_k can mean."""
+        return int(self.model.config.vocab_size)
+
     def prompt_ids(self, submit: Submit) -> list[int]:
         """Chat-shaped requests get the model's chat template; raw prompts are used as given."""
         if submit.messages is not None and self.tokenizer.chat_template:

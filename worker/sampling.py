@@ -94,7 +94,8 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
     sorted_logits, order = torch.sort(logits / temperature, dim=-1, descending=True)
     rank = torch.arange(logits.shape[-1], device=device).unsqueeze(0)
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else logits.shape[-1] for p in params], device=device).unsqueeze(1)
+    vocab = logits.shape[-1]
+    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=device).unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(rank >= top_k, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     # Keep the smallest prefix whose mass reaches top_p (the first token always stays).

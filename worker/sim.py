@@ -31,6 +31,7 @@ class SimModel:
 
     name: str = "sim"
     max_length: int = 8192
+    vocab: int = len(VOCAB)
 
     def prompt_ids(self, submit: Submit) -> list[int]:
         text = submit.prompt if submit.prompt is not None else " ".join(m.content for m in submit.messages or [])

@@ -1,0 +1,212 @@
+"""The scheduler against a real redis-server, driven tick by tick: messages it builds always fit the bus,
+one request's trouble fails that request alone, and no state in Redis can crash-loop it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from common.errors import ErrorCode
+from common.protocol import (
+    PAYLOAD,
+    Batch,
+    Error,
+    Heartbeat,
+    Keys,
+    Result,
+    SamplingParams,
+    Submit,
+    decode,
+    encode,
+)
+from common.settings import Settings
+from llmserve.launcher import free_port, start_redis
+from scheduler.main import Scheduler
+from scheduler.policy import BATCH_OVERHEAD
+
+LIMIT = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    process = start_redis(url)
+    yield url
+    process.terminate()
+    process.wait()
+
+
+@pytest.fixture
+def ns(request: pytest.FixtureRequest) -> str:
+    return request.node.name[:40]
+
+
+@pytest.fixture
+def r(redis_url: str) -> redis.Redis:
+    return redis.Redis.from_url(redis_url)
+
+
+def scheduler(redis_url: str, ns: str, **settings: object) -> Scheduler:
+    return Scheduler(Settings(redis_url=redis_url, namespace=ns, max_message_bytes=LIMIT, **settings))
+
+
+def submit(r: redis.Redis, keys: Keys, rid: str, prompt_bytes: int = 10, **fields: object) -> Submit:
+    """Queue a request as the gateway does: the stream entry and both admission counters."""
+    message = Submit(rid, SamplingParams(), prompt="x" * prompt_bytes, **fields)
+    payload = encode(message, LIMIT)
+    r.xadd(keys.requests, {PAYLOAD: payload})
+    r.incr(keys.queued)
+    r.incrby(keys.queued_bytes, len(payload))
+    return message
+
+
+def worker_beat(r: redis.Redis, keys: Keys, worker_id: str, slots: int = 16) -> None:
+    r.set(keys.heartbeat(worker_id), encode(Heartbeat(worker_id, "m", 8192, slots, 0, 0, 0, 0.0), LIMIT), px=60_000)
+    r.sadd(keys.workers, worker_id)
+
+
+class Listener:
+    """Results published on some requests' channels, subscribed to before anything can be published."""
+
+    def __init__(self, r: redis.Redis, keys: Keys, *rids: str) -> None:
+        self.pubsub = r.pubsub()
+        self.pubsub.subscribe(*(keys.results(rid) for rid in rids))
+        for _ in rids:
+            self.pubsub.get_message(timeout=2)
+
+    def results(self) -> list[Result]:
+        got = []
+        while message := self.pubsub.get_message(timeout=0.5):
+            if message["type"] == "message":
+                got.append(decode(message["data"], Result, LIMIT))
+        return got
+
+
+def inbox_batches(r: redis.Redis, keys: Keys, worker_id: str) -> list[tuple[int, Batch]]:
+    return [(len(fields[PAYLOAD]), decode(fields[PAYLOAD], Batch, LIMIT))
+            for _, fields in r.xrange(keys.inbox(worker_id))]
+
+
+def test_requests_queued_with_no_worker_go_out_in_messages_that_fit(r: redis.Redis, redis_url: str, ns: str) -> None:
+    keys = Keys(ns)
+    s = scheduler(redis_url, ns)
+    s._take_over()
+    sent = [submit(r, keys, f"r{i}", prompt_bytes=95_000) for i in range(12)]
+    s._tick()
+    assert len(s.queue) == 12
+    worker_beat(r, keys, "w1")
+    s.next_refresh = 0
+    s._tick()
+    batches = inbox_batches(r, keys, "w1")
+    assert len(batches) >= 2 and all(size <= LIMIT for size, _ in batches)
+    assert sorted(q.request_id for _, b in batches for q in b.sequences) == sorted(m.request_id for m in sent)
+    # Consumed entries are deleted, and the admission counters are back where they started.
+    assert r.xlen(keys.requests) == 0
+    assert int(r.get(keys.queued)) == 0 and int(r.get(keys.queued_bytes)) == 0
+
+
+def test_a_request_no_batch_can_carry_fails_alone(r: redis.Redis, redis_url: str, ns: str) -> None:
+    keys = Keys(ns)
+    s = scheduler(redis_url, ns)
+    s._take_over()
+    worker_beat(r, keys, "w1")
+    listener = Listener(r, keys, "big", "small")
+    submit(r, keys, "big", prompt_bytes=LIMIT - BATCH_OVERHEAD - 100)  # fits the stream, not a batch
+    submit(r, keys, "small")
+    s._tick()
+    [error] = listener.results()
+    assert isinstance(error, Error) and error.code == ErrorCode.REQUEST_TOO_LARGE
+    [(_, batch)] = inbox_batches(r, keys, "w1")
+    assert [q.request_id for q in batch.sequences] == ["small"]
+    assert int(r.get(keys.queued_bytes)) == 0
+
+
+def test_a_lost_request_that_no_longer_fits_fails_and_its_worker_mates_move(r: redis.Redis, redis_url: str,
+                                                                             ns: str) -> None:
+    keys = Keys(ns)
+    s = scheduler(redis_url, ns)
+    s._take_over()
+    big = Submit("big", SamplingParams(), prompt="x" * (LIMIT - BATCH_OVERHEAD - 200))
+    small = Submit("small", SamplingParams(), prompt="hi")
+    r.hset(keys.assigned("dead"), mapping={"big": encode(big, LIMIT), "small": encode(small, LIMIT)})
+    r.rpush(keys.progress("big"), *range(40_000, 40_200))
+    r.rpush(keys.progress("small"), 7, 8)
+    r.sadd(keys.workers, "dead")  # listed, with no heartbeat: gone
+    worker_beat(r, keys, "w2")
+    listener = Listener(r, keys, "big", "small")
+    s._tick()
+    s._tick()  # the migrated request comes back through the stream
+    [error] = listener.results()
+    assert isinstance(error, Error) and error.code == ErrorCode.REQUEST_TOO_LARGE
+    [(_, batch)] = inbox_batches(r, keys, "w2")
+    assert [(q.request_id, q.resume, q.migrations) for q in batch.sequences] == [("small", [7, 8], 1)]
+    assert not r.exists(keys.assigned("dead")) and not r.sismember(keys.workers, "dead")
+    scheduler(redis_url, ns)._take_over()  # a later leader starts cleanly
+
+
+def test_an_exception_on_one_request_fails_only_that_request(r: redis.Redis, redis_url: str, ns: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    keys = Keys(ns)
+    s = scheduler(redis_url, ns)
+    s._take_over()
+    add = s.queue.add
+
+    def explode_on_bad(queued: object) -> None:
+        if queued.request_id == "bad":
+            raise RuntimeError("boom")
+        add(queued)
+
+    monkeypatch.setattr(s.queue, "add", explode_on_bad)
+    listener = Listener(r, keys, "bad", "good")
+    submit(r, keys, "bad")
+    submit(r, keys, "good")
+    s._tick()
+    [error] = listener.results()
+    assert isinstance(error, Error) and error.code == ErrorCode.DEAD_LETTER
+    assert [q.request_id for q in s.queue] == ["good"]
+    [letter] = r.xrange(keys.dead_letters)
+    assert letter[1][b"request_id"] == b"bad"
+
+
+def test_a_request_pending_through_repeated_crashes_is_set_aside(r: redis.Redis, redis_url: str, ns: str) -> None:
+    keys = Keys(ns)
+    listener = Listener(r, keys, "poison", "other")
+    submit(r, keys, "poison")
+    limit = 3
+    s = scheduler(redis_url, ns, poison_limit=limit)
+    s._take_over()
+    s._tick()  # read, and held when this leader dies
+    for crash in range(limit - 1):
+        s = scheduler(redis_url, ns, poison_limit=limit)
+        s._take_over()
+        assert "poison" in [q.request_id for q in s.queue]
+        if crash == 0:
+            submit(r, keys, "other")  # arrives later: fewer crashes count against it
+            s._tick()
+    assert listener.results() == []
+    # Each leader died without a signal while "poison" was pending; the third take-over set it aside.
+    s = scheduler(redis_url, ns, poison_limit=limit)
+    s._take_over()
+    assert [q.request_id for q in s.queue] == ["other"]
+    letters = [fields[b"request_id"] for _, fields in r.xrange(keys.dead_letters)]
+    assert letters == [b"poison"]
+    [error] = listener.results()
+    assert isinstance(error, Error) and error.code == ErrorCode.DEAD_LETTER
+    assert int(r.get(keys.queued)) == 1
+
+
+def test_leaders_that_stop_on_a_signal_blame_nothing(r: redis.Redis, redis_url: str, ns: str) -> None:
+    keys = Keys(ns)
+    submit(r, keys, "patient")
+    for _ in range(5):
+        s = scheduler(redis_url, ns, poison_limit=2, heartbeat_interval=0.05)
+        s._take_over()
+        s._tick()
+        s.stopping = True
+        s.run()  # returns at once, leaving the clean-exit mark
+    s = scheduler(redis_url, ns, poison_limit=2)
+    s._take_over()
+    assert [q.request_id for q in s.queue] == ["patient"]
+    assert r.xlen(keys.dead_letters) == 0
