@@ -106,6 +106,13 @@ class Finished(msgspec.Struct, tag="finished"):
     request_id: str
 
 
+class Handoff(msgspec.Struct, tag="handoff"):
+    """A worker told to stop left its running requests to the others: the scheduler moves them now,
+    each with the tokens it has delivered, rather than waiting for the worker's heartbeat to lapse."""
+
+    worker_id: str
+
+
 class Heartbeat(msgspec.Struct, tag="heartbeat"):
     worker_id: str
     model: str
@@ -132,6 +139,7 @@ class TraceEvent(msgspec.Struct, array_like=True):
 RequestMessage = Submit | Cancel
 InboxMessage = Batch | Cancel
 Result = Token | Done | Error
+WorkerEvent = Finished | Handoff
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders: dict[object, msgspec.msgpack.Decoder] = {}

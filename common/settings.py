@@ -40,6 +40,7 @@ class Settings:
     launcher_metrics_port: int = 9103
     migration_limit: int = 3
     drain_timeout: float = 25.0
+    drain_mode: str = "auto"
     trace_ttl: float = 600.0
     scheduler_metrics_port: int = 9101
     worker_metrics_port: int = 9102
@@ -72,6 +73,8 @@ class Settings:
             value = getattr(self, field.name)
             if isinstance(value, int | float) and value < 0:
                 raise SettingsError(f"{field.name.upper()}={value}: must not be negative")
+        if self.drain_mode not in ("auto", "finish"):
+            raise SettingsError(f"DRAIN_MODE={self.drain_mode!r}: expected auto or finish")
         if self.scheduling_policy not in ("fair", "fifo"):
             raise SettingsError(f"SCHEDULING_POLICY={self.scheduling_policy!r}: expected fair or fifo")
         for name in ("worker_slots", "max_message_bytes", "heartbeat_interval", "worker_ttl", "poison_limit"):

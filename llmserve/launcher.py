@@ -1,5 +1,6 @@
 """The local launcher: Redis if none is reachable, then every service as its own
-OS process, started with the very commands docker-compose.yml runs."""
+OS process, started with the very commands docker-compose.yml runs. Under `llmserve up` a
+Supervisor restarts whatever exits, as compose's `restart: unless-stopped` does."""
 
 from __future__ import annotations
 
@@ -16,14 +17,33 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 import httpx
 import redis
+from prometheus_client import Counter
+
+from common.runtime import Backoff
+from common.settings import Settings, SettingsError
+from common.telemetry import serve_metrics, setup_logging
 
 log = logging.getLogger("launcher")
 T = TypeVar("T")
+
+RESTARTS = Counter("llmserve_launcher_restarts_total", "Services restarted by `llmserve up` after they exited",
+                   ["service"])
+
+# Run as `python -c ORPHAN_GUARD <launcher pid> <command...>`: Linux is to SIGTERM the command when
+# the launcher dies, even by kill -9; the exec keeps the pid and the name the command would have had.
+ORPHAN_GUARD = """\
+import ctypes, os, signal, sys
+PR_SET_PDEATHSIG = 1
+ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+if os.getppid() != int(sys.argv[1]):
+    sys.exit("llmserve: the launcher is gone")
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
 
 # The command of each service, as docker-compose.yml runs it.
 SERVICE_COMMANDS = {
@@ -38,6 +58,20 @@ def command_path(name: str) -> list[str]:
     executable = Path(sys.executable).with_name("llmserve")
     program = str(executable) if executable.exists() else shutil.which("llmserve") or "llmserve"
     return [program, *SERVICE_COMMANDS[name][1:]]
+
+
+def guarded(command: list[str]) -> list[str]:
+    """`command` wrapped so that it ends with this process. Linux signals when the thread that
+    spawned the child ends, so spawn from the main thread."""
+    if sys.platform != "linux":
+        return command
+    return [sys.executable, "-I", "-S", "-c", ORPHAN_GUARD, str(os.getpid()), *command]
+
+
+def popen(command: list[str], **options: Any) -> subprocess.Popen[bytes]:
+    """A child that ends with this process, in a session of its own: a terminal's Ctrl-C reaches only
+    the launcher, which then stops each service in its order (workers drain, Redis goes last)."""
+    return subprocess.Popen(guarded(command), start_new_session=True, **options)
 
 
 def redis_reachable(url: str) -> bool:
@@ -78,11 +112,19 @@ def wait_until(condition: Callable[[], T], timeout: float, what: str, interval: 
     raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
 
 
-def start_redis(url: str) -> subprocess.Popen[bytes]:
-    """An embedded Redis on the port of `url`, keeping nothing on disk."""
+def spawn_redis(url: str, maxmemory: str = Settings.redis_maxmemory) -> subprocess.Popen[bytes]:
+    """An embedded Redis on the port of `url`, keeping nothing on disk and, as in docker-compose.yml,
+    refusing writes when full rather than evicting live state."""
     port = urlparse(url).port or 6379
-    process = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
-                                "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    command = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+               "--appendonly", "no", "--maxmemory", maxmemory, "--maxmemory-policy", "noeviction"]
+    return popen(command, stdout=subprocess.DEVNULL)
+
+
+def start_redis(url: str, maxmemory: str = Settings.redis_maxmemory) -> subprocess.Popen[bytes]:
+    """`spawn_redis`, once it answers."""
+    port = urlparse(url).port or 6379
+    process = spawn_redis(url, maxmemory)
     wait_until(lambda: process.poll() is not None or redis_reachable(url), 10, f"redis-server on port {port}")
     if process.poll() is not None:
         raise RuntimeError(f"redis-server could not start on port {port}")
@@ -91,13 +133,19 @@ def start_redis(url: str) -> subprocess.Popen[bytes]:
 
 @dataclass
 class Stack:
-    """The processes of one local stack; stops them in reverse order of start."""
+    """The processes of one local stack; stops them in reverse order of start, an embedded Redis last."""
 
     env: dict[str, str]
     processes: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
 
+    def launch(self, name: str) -> subprocess.Popen[bytes]:
+        """A new process of service `name`; "redis" is the embedded redis-server of REDIS_URL."""
+        if name == "redis":
+            return spawn_redis(self.env["REDIS_URL"], self.env.get("REDIS_MAXMEMORY", Settings.redis_maxmemory))
+        return popen(command_path(name), env=self.env)
+
     def spawn(self, name: str) -> subprocess.Popen[bytes]:
-        process = subprocess.Popen(command_path(name), env=self.env)
+        process = self.launch(name)
         self.processes.append((name, process))
         return process
 
@@ -111,17 +159,79 @@ class Stack:
         return [name for name, process in self.processes if process.poll() is not None]
 
     def stop(self, timeout: float = 30.0) -> None:
-        for _name, process in reversed(self.processes):
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for _name, process in reversed(self.processes):
-            try:
-                process.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        # An embedded Redis goes last: draining workers still publish their last tokens to it.
+        services = [process for name, process in reversed(self.processes) if name != "redis"]
+        terminate(services, timeout)
+        terminate([process for name, process in self.processes if name == "redis"], timeout)
         self.processes.clear()
+
+
+def terminate(processes: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    """SIGTERM to each in order, then wait for all of them; kill what is still running at `timeout`."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        try:
+            process.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def exit_cause(returncode: int) -> dict[str, object]:
+    """The exit code, or the name of the signal that ended the process."""
+    if returncode >= 0:
+        return {"exit_code": returncode, "signal": None}
+    try:
+        return {"exit_code": None, "signal": signal.Signals(-returncode).name}
+    except ValueError:  # a signal Python has no name for
+        return {"exit_code": None, "signal": str(-returncode)}
+
+
+@dataclass
+class Restarts:
+    """The restart state of one place in a Stack."""
+
+    backoff: Backoff
+    started: float
+    due: float | None = None  # when to start the process again, once it has exited
+
+
+@dataclass
+class Supervisor:
+    """Keeps every process of a Stack running: one that exits starts again in its place after an
+    exponential backoff, which resets once it has stayed up `steady_s`."""
+
+    stack: Stack
+    first_s: float = 1.0
+    cap_s: float = 30.0
+    steady_s: float = 30.0
+    state: dict[int, Restarts] = field(default_factory=dict)
+
+    def check(self) -> None:
+        now = time.monotonic()
+        for index, (name, process) in enumerate(self.stack.processes):
+            state = self.state.setdefault(index, Restarts(Backoff(self.first_s, self.cap_s), now))
+            if state.due is not None:
+                if now >= state.due:
+                    self._restart(index, state, now)
+            elif process.poll() is not None:
+                state.due = now + state.backoff.next()
+                log.warning("service exited; restarting", extra={
+                    "service": name, "pid": process.pid, **exit_cause(process.returncode),
+                    "restart_in_s": round(state.due - now, 3)})
+            elif now - state.started >= self.steady_s:
+                state.backoff.reset()
+
+    def _restart(self, index: int, state: Restarts, now: float) -> None:
+        name, _ = self.stack.processes[index]
+        process = self.stack.launch(name)
+        self.stack.processes[index] = (name, process)
+        state.due, state.started = None, now
+        RESTARTS.labels(name).inc()
+        log.info("service restarted", extra={"service": name, "pid": process.pid})
 
 
 def _serving(url: str, workers: int, stack: Stack) -> bool:
@@ -169,15 +279,14 @@ def private_stack(workers: int, **settings: str) -> Iterator[PrivateStack]:
 
 
 def up(workers: int) -> int:
-    env = dict(os.environ)
-    url = env.setdefault("REDIS_URL", "redis://127.0.0.1:6379/0")
-    redis_process = None if redis_reachable(url) else start_redis(url)
-    stack = Stack(env)
-    stack.start(workers)
-    port = env.get("GATEWAY_PORT", "8000")
-    print(f"llmserve: {workers} worker(s) starting (the model loads in ~20 s); try:\n"
-          f"  curl -N -H 'Content-Type: application/json' -d '{{\"prompt\": \"The quick brown\"}}' "
-          f"localhost:{port}/generate_stream", flush=True)
+    """Redis if none answers, then every service; restarts any that exits until SIGINT or SIGTERM."""
+    try:
+        settings = Settings.from_env()
+    except SettingsError as exc:
+        # Checked before anything starts: a service with a bad setting would only exit again at each restart.
+        print(f"llmserve up: {exc}", file=sys.stderr)
+        return 1
+    setup_logging("launcher", settings.log_level)
     stopping = False
 
     def on_signal(_signum: int, _frame: object) -> None:
@@ -186,14 +295,22 @@ def up(workers: int) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    env = {**os.environ, "REDIS_URL": settings.redis_url}
+    stack = Stack(env)
     try:
-        while not stopping and not stack.exited():
-            time.sleep(0.5)
-        if not stopping:
-            print(f"llmserve: {', '.join(stack.exited())} exited; stopping the stack", file=sys.stderr)
+        if not redis_reachable(settings.redis_url):
+            stack.processes.append(("redis", start_redis(settings.redis_url, settings.redis_maxmemory)))
+        stack.start(workers)
+        for name, _ in stack.processes:
+            RESTARTS.labels(name)  # every service shows, at 0 until it restarts
+        serve_metrics(settings.launcher_metrics_port, "launcher")
+        print(f"llmserve: {workers} worker(s) starting (the model loads in ~20 s); try:\n"
+              f"  curl -N -H 'Content-Type: application/json' -d '{{\"prompt\": \"The quick brown\"}}' "
+              f"localhost:{settings.gateway_port}/generate_stream", flush=True)
+        supervisor = Supervisor(stack)
+        while not stopping:
+            supervisor.check()
+            time.sleep(0.2)
     finally:
         stack.stop()
-        if redis_process:
-            redis_process.terminate()
-            redis_process.wait()
     return 0

@@ -29,10 +29,12 @@ from common.protocol import (
     Cancel,
     Error,
     Finished,
+    Handoff,
     Keys,
     ProtocolError,
     RequestMessage,
     Submit,
+    WorkerEvent,
     encode,
     now,
 )
@@ -167,15 +169,20 @@ class Scheduler:
         while handling one entry sets that entry aside and fails its request, and nothing else."""
         replies = self.redis.xreadgroup(SCHEDULER_GROUP, CONSUMER, streams, count=512, block=block_ms)
         pipe = self.redis.pipeline(transaction=False)
+        handoffs: list[str] = []
         for stream, entries in replies:
             if stream.decode() == self.keys.requests:
                 for entry_id, fields in entries:
                     self._guarded(pipe, entry_id, fields or {})
             elif entries:
                 for _entry_id, fields in entries:
-                    self._on_event(pipe, fields or {})
+                    self._on_event(pipe, fields or {}, handoffs)
                 self._ack(pipe, self.keys.events, [entry_id for entry_id, _ in entries])
         pipe.execute()
+        # After the pipeline: a handed-off worker's requests that finished first must not move.
+        for worker_id in handoffs:
+            self.workers.pop(worker_id, None)
+            self._lose(worker_id)
         return replies
 
     def _guarded(self, pipe: redis.client.Pipeline, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
@@ -232,9 +239,11 @@ class Scheduler:
                 log.info("cancel forwarded", extra={"request_id": rid, "worker_id": worker.worker_id})
                 return
 
-    def _on_event(self, pipe: redis.client.Pipeline, fields: dict[bytes, bytes]) -> None:
-        event = decode_or_drop(fields.get(PAYLOAD), Finished, self.limit, log, "a malformed worker event")
-        if event is None:
+    def _on_event(self, pipe: redis.client.Pipeline, fields: dict[bytes, bytes], handoffs: list[str]) -> None:
+        event = decode_or_drop(fields.get(PAYLOAD), WorkerEvent, self.limit, log, "a malformed worker event")
+        if isinstance(event, Handoff):
+            handoffs.append(event.worker_id)
+        if not isinstance(event, Finished):
             return
         pipe.hdel(self.keys.assigned(event.worker_id), event.request_id)
         worker = self.workers.get(event.worker_id)

@@ -14,12 +14,14 @@ import redis
 
 from common.errors import ErrorCode
 from common.protocol import (
+    EVENT_STREAM_MAXLEN,
     PAYLOAD,
     Batch,
     Cancel,
     Done,
     Error,
     Finished,
+    Handoff,
     Heartbeat,
     InboxMessage,
     Keys,
@@ -28,7 +30,7 @@ from common.protocol import (
     encode,
     now,
 )
-from common.runtime import Backoff, decode_or_drop, redis_trouble, service_id
+from common.runtime import Backoff, decode_or_drop, parse_heartbeats, redis_trouble, service_id
 from common.settings import Settings
 from common.telemetry import serve_metrics, setup_logging
 from common.trace import stamp
@@ -81,20 +83,30 @@ class Worker:
         self.beat_now = threading.Event()  # set to send a heartbeat at once (draining, Redis back)
         self.beating = True
         self.drain_until: float | None = None  # set by SIGTERM
+        self.handing_off: bool | None = None  # decided once, when the loop sees the drain
         self.stopping = False  # set by a second signal: leave now
         self.orphans: list[str] = []  # requests dropped while Redis was unreachable
         self.timings: dict[str, Timing] = {}
         self.metrics_port = 0
 
     def drain(self) -> None:
-        """Take no new work, finish what runs (up to DRAIN_TIMEOUT), then exit; what is left
-        then is migrated by the scheduler like the work of a lost worker."""
+        """Take no new work and stop: at once, handing what runs to other workers when they have room
+        for it all (DRAIN_MODE=auto), else after finishing it (up to DRAIN_TIMEOUT; what is left then
+        moves like the work of a lost worker). Runs in a signal handler: the loop decides which."""
         if self.drain_until is not None:
             self.stopping = True
             return
         self.drain_until = now() + self.settings.drain_timeout
         self.beat_now.set()  # tell the scheduler at once
         log.info("draining", extra={"worker_id": self.id, "running": len(self.engine.running)})
+
+    def _others_have_room(self) -> bool:
+        """Whether the other live workers, not draining themselves, have free slots for all we hold."""
+        ids = [m.decode() for m in self.redis.smembers(self.keys.workers) if m.decode() != self.id]
+        beats = parse_heartbeats(ids, self.redis.mget([self.keys.heartbeat(i) for i in ids]) if ids else [],
+                                 self.settings.max_message_bytes, log)
+        room = sum(b.slots - b.running - b.waiting for b in beats.values() if b and not b.draining)
+        return room >= len(self.engine.running) + len(self.engine.waiting)
 
     def run(self) -> None:
         log.info("worker ready", extra={"worker_id": self.id, "model": self.loaded.name,
@@ -116,13 +128,24 @@ class Worker:
         with contextlib.suppress(redis.RedisError):
             self.redis.srem(self.keys.workers, self.id)
             self.redis.delete(self.keys.heartbeat(self.id))
-        log.info("worker stopped", extra={"worker_id": self.id, "left_running": len(self.engine.running)})
+            if self.handing_off and self.engine.has_work():
+                self.redis.xadd(self.keys.events, {PAYLOAD: encode(Handoff(self.id), self.settings.max_message_bytes)},
+                                maxlen=EVENT_STREAM_MAXLEN, approximate=True)
+        log.info("worker stopped", extra={"worker_id": self.id, "left_running": len(self.engine.running),
+                                          "handed_off": self.handing_off})
 
     def _done(self) -> bool:
         if self.stopping:
             return True
-        draining = self.drain_until is not None
-        return draining and (not self.engine.has_work() or now() > self.drain_until)
+        if self.drain_until is None:
+            return False
+        if self.handing_off is None:
+            try:
+                self.handing_off = self.settings.drain_mode == "auto" and self._others_have_room()
+            except redis.RedisError:
+                self.handing_off = False
+            log.info("drain", extra={"worker_id": self.id, "hand_off": self.handing_off})
+        return self.handing_off or not self.engine.has_work() or now() > self.drain_until
 
     def _tend(self) -> None:
         if self.orphans:
@@ -295,7 +318,7 @@ class Worker:
         pipe.delete(self.keys.progress(request_id))
         event = Finished(self.id, request_id)
         pipe.xadd(self.keys.events, {PAYLOAD: encode(event, self.settings.max_message_bytes)},
-                  maxlen=100_000, approximate=True)
+                  maxlen=EVENT_STREAM_MAXLEN, approximate=True)
 
 
 def build_engine(settings: Settings) -> tuple[LoadedModel | SimModel, Engine | SimEngine]:
