@@ -92,8 +92,8 @@ def engine_tokens(loaded: LoadedModel, prompts: list[list[int]]) -> list[list[in
         engine.add(str(i), prompt, params)
     tokens: dict[str, list[int]] = {}
     while engine.has_work():
-        for out in engine.step():
-            tokens.setdefault(out.sequence.request_id, []).append(out.sequence.output_ids[out.index])
+        for out in engine.step().outputs:
+            tokens.setdefault(out.request_id, []).append(out.token_id)
     return [tokens[str(i)] for i in range(len(prompts))]
 
 

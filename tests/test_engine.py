@@ -6,8 +6,9 @@ import pytest
 
 from common.protocol import SamplingParams
 from common.settings import Settings
+from worker.core import PromptTooLong
 from worker.detokenizer import Detokenizer
-from worker.engine import Engine, PromptTooLong
+from worker.engine import Engine
 from worker.model import LoadedModel, load_model
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -30,8 +31,8 @@ def run(engine: Engine, arrivals: dict[int, list[tuple[str, SamplingParams]]]) -
     while engine.has_work() or any(s >= step for s in arrivals):
         for key, params in arrivals.get(step, []):
             engine.add(key, engine.loaded.tokenizer(PROMPTS[key])["input_ids"], params)
-        for out in engine.step():
-            tokens.setdefault(out.sequence.request_id, []).append(out.sequence.output_ids[out.index])
+        for out in engine.step().outputs:
+            tokens.setdefault(out.request_id, []).append(out.token_id)
         step += 1
     return tokens
 
@@ -55,11 +56,11 @@ def test_a_newcomer_joins_the_running_batch_and_a_finished_one_leaves_at_once(lo
     engine.step()
     engine.step()
     engine.add("c", tokenizer(PROMPTS["c"])["input_ids"], SamplingParams(max_tokens=2, temperature=0))
-    first = engine.step()  # the newcomer's prefill: "a" waits one forward, nothing restarts
-    assert [o.sequence.request_id for o in first] == ["c"]
+    first = engine.step().outputs  # the newcomer's prefill: "a" waits one forward, nothing restarts
+    assert [o.request_id for o in first] == ["c"]
     assert [s.request_id for s in engine.running] == ["a", "c"]
-    second = engine.step()  # one decode for both rows
-    assert sorted(o.sequence.request_id for o in second) == ["a", "c"]
+    second = engine.step().outputs  # one decode for both rows
+    assert sorted(o.request_id for o in second) == ["a", "c"]
     assert [s.request_id for s in engine.running] == ["a"]
     assert engine.batch.mask.shape[0] == 1
 
@@ -83,7 +84,7 @@ def test_cancel_removes_a_sequence_between_steps(loaded: LoadedModel) -> None:
     engine.step()
     assert engine.cancel("c")
     assert not engine.cancel("c")
-    rest = [out.sequence.output_ids[out.index] for _ in range(15) for out in engine.step()]
+    rest = [out.token_id for _ in range(15) for out in engine.step().outputs]
     assert [s.request_id for s in engine.running] == []
     assert rest == solo(loaded, "a")[1:]
 
@@ -112,7 +113,7 @@ def test_finish_reasons(loaded: LoadedModel) -> None:
     engine.add("short", loaded.tokenizer("Hello")["input_ids"], SamplingParams(max_tokens=2, temperature=0))
     reasons = {}
     while engine.has_work():
-        reasons.update({o.sequence.request_id: o.finish_reason for o in engine.step() if o.finish_reason})
+        reasons.update({o.request_id: o.finish_reason for o in engine.step().outputs if o.finish_reason})
     assert reasons == {"chat": "stop", "short": "length"}
 
 
@@ -139,7 +140,7 @@ def test_static_batching_admits_a_batch_only_when_the_last_one_has_finished(load
                                                                           ignore_eos=True))
     engine.step()
     engine.add("c", tokenizer(PROMPTS["c"])["input_ids"], GREEDY)
-    served = [[o.sequence.request_id for o in engine.step()] for _ in range(3)]
+    served = [[o.request_id for o in engine.step().outputs] for _ in range(3)]
     assert served == [["a"], ["a"], ["c"]]  # "c" waits out "a" although slots are free
     assert len(run(engine, {})["c"]) == GREEDY.max_tokens - 1  # then runs to its end alone
 
@@ -163,11 +164,11 @@ def test_a_row_that_cannot_be_sampled_fails_alone_and_its_batch_mates_go_on(load
         engine.add(key, loaded.tokenizer(PROMPTS[key])["input_ids"], params)
     tokens, errors = {}, {}
     while engine.has_work():
-        for out in engine.step():
+        for out in engine.step().outputs:
             if out.error:
-                errors[out.sequence.request_id] = out.error
+                errors[out.request_id] = out.error
             else:
-                tokens.setdefault(out.sequence.request_id, []).append(out.sequence.output_ids[out.index])
+                tokens.setdefault(out.request_id, []).append(out.token_id)
     assert list(errors) == ["b"] and len(tokens["b"]) == 1
     assert tokens["a"] == solo(loaded, "a")
     assert len(tokens["c"]) == 4  # a top_k past the vocabulary means the whole vocabulary

@@ -8,7 +8,8 @@ from msgspec.structs import replace
 
 from common.protocol import SamplingParams
 from common.settings import Settings
-from worker.engine import Engine, StepOutput
+from worker.core import StepOutput
+from worker.engine import Engine
 from worker.model import LoadedModel, load_model
 from worker.sampling import MAX_TOP_LOGPROBS, sample
 from worker.stops import StopMatcher
@@ -42,8 +43,8 @@ def run(engine: Engine, arrivals: Arrivals) -> dict[str, list[StepOutput]]:
     while engine.has_work() or any(s >= step for s in arrivals):
         for request_id, ids, params in arrivals.get(step, []):
             engine.add(request_id, ids, params)
-        for out in engine.step():
-            outputs.setdefault(out.sequence.request_id, []).append(out)
+        for out in engine.step().outputs:
+            outputs.setdefault(out.request_id, []).append(out)
         step += 1
     return outputs
 
@@ -57,7 +58,7 @@ def solo(loaded: LoadedModel, key: str, params: SamplingParams = GREEDY) -> list
 
 
 def tokens(outputs: list[StepOutput]) -> list[int]:
-    return [out.sequence.output_ids[out.index] for out in outputs]
+    return [out.token_id for out in outputs]
 
 
 def texts(outputs: list[StepOutput]) -> list[str]:

@@ -151,8 +151,8 @@ def test_greedy_completions_through_the_engine_do_not_depend_on_batch_mates(load
             engine.add(key, prompt, params)
         tokens: dict[str, list[int]] = {}
         while engine.has_work():
-            for out in engine.step():
-                tokens.setdefault(out.sequence.request_id, []).append(out.sequence.output_ids[out.index])
+            for out in engine.step().outputs:
+                tokens.setdefault(out.request_id, []).append(out.token_id)
         return tokens
 
     prompts = dict(zip(QUESTIONS, shaped([chat(loaded, q) for q in QUESTIONS], lengths), strict=True))
@@ -167,10 +167,11 @@ def test_a_migrated_request_continues_exactly_as_it_would_have(loaded: LoadedMod
 
     def complete(prompt: list[int], resume: list[int] | None = None) -> list[int]:
         engine = Engine(loaded, 16)
-        sequence = engine.add("x", prompt, params, resume=resume)
+        engine.add("x", prompt, params, resume=resume)
+        tokens = list(resume or [])
         while engine.has_work():
-            engine.step()
-        return sequence.output_ids
+            tokens += [out.token_id for out in engine.step().outputs]
+        return tokens
 
     for question in QUESTIONS:
         prompt = chat(loaded, question)

@@ -3,6 +3,8 @@ so a four-worker stack starts in seconds)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -19,12 +21,12 @@ def test_the_sim_engine_batches_and_is_batch_invariant() -> None:
     prompts = {"a": "one two three", "b": "four five", "c": "six"}
     for rid, prompt in prompts.items():
         engine.add(rid, model.prompt_ids(Submit(rid, SamplingParams(), prompt=prompt)), SamplingParams(max_tokens=3))
-    first = engine.step()
-    assert [o.sequence.request_id for o in first] == ["a", "b"] and len(engine.waiting) == 1
+    first = engine.step().outputs
+    assert [o.request_id for o in first] == ["a", "b"] and len(engine.waiting) == 1
     texts: dict[str, str] = {}
     while engine.has_work():
-        for out in engine.step():
-            texts[out.sequence.request_id] = texts.get(out.sequence.request_id, "") + out.text
+        for out in engine.step().outputs:
+            texts[out.request_id] = texts.get(out.request_id, "") + out.text
     assert texts["c"] == "".join(VOCAB[sim_token(1 + i)] for i in range(3))
     assert engine.cancel("zzz") is False
 
@@ -54,6 +56,11 @@ def test_static_sim_batching_waits_for_the_whole_batch() -> None:
     engine.add("long", [1], SamplingParams(max_tokens=3))
     engine.step()
     engine.add("late", [1], SamplingParams(max_tokens=1))
-    assert [o.sequence.request_id for o in engine.step()] == ["long"]
-    assert [o.sequence.request_id for o in engine.step()] == ["long"]
-    assert [o.sequence.request_id for o in engine.step()] == ["late"]
+    assert [o.request_id for o in engine.step().outputs] == ["long"]
+    assert [o.request_id for o in engine.step().outputs] == ["long"]
+    assert [o.request_id for o in engine.step().outputs] == ["late"]
+
+
+def test_a_sim_worker_does_not_load_torch() -> None:
+    code = "import sys, worker.main, worker.sim; assert 'torch' not in sys.modules, 'torch imported'"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).returncode == 0

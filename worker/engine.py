@@ -20,16 +20,13 @@ from transformers import DynamicCache
 
 from common.protocol import SamplingParams, TokenLogprob
 from worker.cache import new_cache
+from worker.core import PromptTooLong, StepKind, StepOutput, StepResult
 from worker.detokenizer import Detokenizer
 from worker.model import LoadedModel
 from worker.sampling import Logprobs, new_generator, sample
 from worker.stops import StopMatcher
 
 log = logging.getLogger("worker")
-
-
-class PromptTooLong(ValueError):
-    pass
 
 
 @dataclass
@@ -45,18 +42,6 @@ class Sequence:
     def watches_stops(self) -> bool:
         """Stop strings count only once `min_tokens` are out, as in vLLM."""
         return self.stops is not None and len(self.output_ids) > self.params.min_tokens
-
-
-@dataclass
-class StepOutput:
-    sequence: Sequence
-    index: int
-    text: str
-    finish_reason: str | None
-    logprob: TokenLogprob | None = None
-    top_logprobs: list[TokenLogprob] | None = None
-    # Set when this row alone failed (its token could not be chosen or decoded): it has left the batch.
-    error: str | None = None
 
 
 @dataclass
@@ -123,12 +108,20 @@ class Engine:
         self.static = static
         self.waiting: deque[Sequence] = deque()
         self.batch: _Batch | None = None
-        self.last_step = "decode"
+        self.last_kind: StepKind = "decode"
 
     @property
     def running(self) -> list[Sequence]:
         batch = self.batch  # one read: the heartbeat thread asks while the loop may retire the batch
         return batch.sequences if batch else []
+
+    @property
+    def running_count(self) -> int:
+        return len(self.running)
+
+    @property
+    def waiting_count(self) -> int:
+        return len(self.waiting)
 
     @property
     def cache_positions(self) -> int:
@@ -139,7 +132,7 @@ class Engine:
         return bool(self.waiting or self.running)
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-            resume: list[int] | None = None) -> Sequence:
+            resume: list[int] | None = None) -> None:
         """Queue a sequence. `resume` holds tokens another worker already delivered: they are
         prefilled with the prompt and generation continues after them."""
         if len(prompt_ids) + len(resume or []) >= self.loaded.max_length:
@@ -158,7 +151,6 @@ class Engine:
             if sequence.watches_stops():
                 sequence.stops.push(text, last=False)
         self.waiting.append(sequence)
-        return sequence
 
     def cancel(self, request_id: str) -> bool:
         for sequence in self.waiting:
@@ -171,29 +163,29 @@ class Engine:
             return True
         return False
 
-    def abort_all(self) -> list[Sequence]:
-        """Forget every sequence (after a failed step); returns them so that their clients can be told."""
-        dropped = list(self.waiting) + self.running
+    def abort_all(self) -> list[str]:
+        """Forget every sequence (after a failed step); returns their ids so that their clients can be told."""
+        dropped = [s.request_id for s in [*self.waiting, *self.running]]
         self.waiting.clear()
         self.batch = None
         return dropped
 
     @torch.inference_mode()
-    def step(self) -> list[StepOutput]:
+    def step(self) -> StepResult:
         """One forward: a prefill of the newcomers that fit, else a decode of the running batch.
         A prefill is always followed by a decode, so a stream of arrivals cannot stall running work."""
         room = self.slots - len(self.running)
         if self.waiting and room > 0 and self._admits():
             joiners = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
-            self.last_step = "prefill"
-            return self._prefill(joiners)
-        self.last_step = "decode"
-        return self._decode() if self.batch else []
+            self.last_kind = "prefill"
+            return StepResult("prefill", self._prefill(joiners))
+        self.last_kind = "decode"
+        return StepResult("decode", self._decode()) if self.batch else StepResult("idle")
 
     def _admits(self) -> bool:
         if self.static:
             return not self.running
-        return not (self.last_step == "prefill" and self.running)
+        return not (self.last_kind == "prefill" and self.running)
 
     def _prefill(self, joiners: list[Sequence]) -> list[StepOutput]:
         fresh = [s for s in joiners if not s.output_ids]
@@ -288,7 +280,8 @@ class Engine:
                 raise ValueError("no token could be sampled with these parameters")
             return self._emit(sequence, *pick)
         except Exception as exc:
-            return StepOutput(sequence, len(sequence.output_ids), "", None, error=str(exc))
+            return StepOutput(sequence.request_id, -1, len(sequence.output_ids), "", None, len(sequence.prompt_ids),
+                              error=str(exc))
 
     def _emit(self, sequence: Sequence, token: int, logprobs: Logprobs | None) -> StepOutput:
         """Append `token` to `sequence` and say what it adds: its text, less any held back for a possible
@@ -300,7 +293,8 @@ class Engine:
             # On the last token nothing stays held: text that waited on a stop string goes out with it.
             text, stopped = sequence.stops.push(text, last=reason is not None)
             reason = "stop" if stopped else reason
-        output = StepOutput(sequence, len(sequence.output_ids) - 1, text, reason)
+        output = StepOutput(sequence.request_id, token, len(sequence.output_ids) - 1, text, reason,
+                            len(sequence.prompt_ids))
         if logprobs is not None:
             output.logprob, output.top_logprobs = self._token_logprobs(token, logprobs)
         return output

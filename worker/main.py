@@ -35,8 +35,7 @@ from common.settings import Settings
 from common.telemetry import serve_metrics, setup_logging
 from common.trace import stamp
 from worker import metrics
-from worker.engine import Engine, PromptTooLong, StepOutput
-from worker.model import LoadedModel, load_model
+from worker.core import Engine, Model, PromptTooLong, StepOutput, StepResult
 from worker.sim import SimEngine, SimModel
 
 log = logging.getLogger("worker")
@@ -71,7 +70,7 @@ class Timing:
 
 
 class Worker:
-    def __init__(self, settings: Settings, loaded: LoadedModel | SimModel, engine: Engine | SimEngine) -> None:
+    def __init__(self, settings: Settings, loaded: Model, engine: Engine) -> None:
         self.settings = settings
         self.keys = Keys(settings.namespace)
         self.redis = redis.Redis.from_url(settings.redis_url)
@@ -98,7 +97,7 @@ class Worker:
             return
         self.drain_until = now() + self.settings.drain_timeout
         self.beat_now.set()  # tell the scheduler at once
-        log.info("draining", extra={"worker_id": self.id, "running": len(self.engine.running)})
+        log.info("draining", extra={"worker_id": self.id, "running": self.engine.running_count})
 
     def _others_have_room(self) -> bool:
         """Whether the other live workers, not draining themselves, have free slots for all we hold."""
@@ -106,7 +105,7 @@ class Worker:
         beats = parse_heartbeats(ids, self.redis.mget([self.keys.heartbeat(i) for i in ids]) if ids else [],
                                  self.settings.max_message_bytes, log)
         room = sum(b.slots - b.running - b.waiting for b in beats.values() if b and not b.draining)
-        return room >= len(self.engine.running) + len(self.engine.waiting)
+        return room >= self.engine.running_count + self.engine.waiting_count
 
     def run(self) -> None:
         log.info("worker ready", extra={"worker_id": self.id, "model": self.loaded.name,
@@ -131,7 +130,7 @@ class Worker:
             if self.handing_off and self.engine.has_work():
                 self.redis.xadd(self.keys.events, {PAYLOAD: encode(Handoff(self.id), self.settings.max_message_bytes)},
                                 maxlen=EVENT_STREAM_MAXLEN, approximate=True)
-        log.info("worker stopped", extra={"worker_id": self.id, "left_running": len(self.engine.running),
+        log.info("worker stopped", extra={"worker_id": self.id, "left_running": self.engine.running_count,
                                           "handed_off": self.handing_off})
 
     def _done(self) -> bool:
@@ -159,7 +158,7 @@ class Worker:
         """Whatever was in flight cannot be delivered in order any more: drop it, and tell its
         clients once Redis answers again (after a restart nobody listens, which is harmless)."""
         dropped = self.engine.abort_all()
-        self.orphans += [s.request_id for s in dropped]
+        self.orphans += dropped
         log.warning("redis unreachable; retrying", extra={"worker_id": self.id, "error": str(exc),
                                                           "dropped": len(dropped), "retry_in_s": backoff})
         self.beat_now.set()
@@ -178,7 +177,7 @@ class Worker:
 
     def _heartbeat(self) -> None:
         beat = Heartbeat(self.id, self.loaded.name, self.loaded.max_length, self.settings.worker_slots,
-                         len(self.engine.running), len(self.engine.waiting), self.finished_total, now(),
+                         self.engine.running_count, self.engine.waiting_count, self.finished_total, now(),
                          draining=self.drain_until is not None, metrics_port=self.metrics_port,
                          vocab=self.loaded.vocab)
         ttl_ms = int(self.settings.worker_ttl * 1000)
@@ -206,24 +205,24 @@ class Worker:
     def _step(self) -> None:
         started = time.perf_counter()
         try:
-            outputs = self.engine.step()
+            result = self.engine.step()
         except Exception:
             # A failed forward (out of memory, a bad model) must not take the worker down nor leave
             # streams hanging: every sequence in the engine gets an error and the engine starts afresh.
             log.exception("engine step failed", extra={"worker_id": self.id})
-            for sequence in self.engine.abort_all():
-                self._fail(sequence.request_id, ErrorCode.ENGINE_ERROR, "the worker failed while generating")
+            for request_id in self.engine.abort_all():
+                self._fail(request_id, ErrorCode.ENGINE_ERROR, "the worker failed while generating")
             return
         elapsed = time.perf_counter() - started
-        if outputs:
-            metrics.STEP_SECONDS.labels(self.engine.last_step).observe(elapsed)
-            if self.engine.last_step == "decode":
-                metrics.BATCH_SIZE.observe(len(outputs))
-            metrics.TOKENS.inc(len(outputs))
-        metrics.RUNNING.set(len(self.engine.running))
-        metrics.WAITING.set(len(self.engine.waiting))
+        if result.outputs:
+            metrics.STEP_SECONDS.labels(result.kind).observe(elapsed)
+            if result.kind == "decode":
+                metrics.BATCH_SIZE.observe(len(result.outputs))
+            metrics.TOKENS.inc(len(result.outputs))
+        metrics.RUNNING.set(self.engine.running_count)
+        metrics.WAITING.set(self.engine.waiting_count)
         metrics.KV_CACHE_TOKENS.set(self.engine.cache_positions)
-        self._publish(outputs, elapsed)
+        self._publish(result, elapsed)
 
     def _admit(self, batch: Batch) -> None:
         pipe = self.redis.pipeline(transaction=False)
@@ -271,22 +270,22 @@ class Worker:
             self._release(pipe, cancel.request_id, "cancelled")
             pipe.execute()
 
-    def _publish(self, outputs: list[StepOutput], step_s: float) -> None:
+    def _publish(self, result: StepResult, step_s: float) -> None:
         """One round trip to Redis per engine step, whatever the batch size."""
-        for failed in [out for out in outputs if out.error]:
-            self._fail(failed.sequence.request_id, ErrorCode.ENGINE_ERROR, failed.error)
-        outputs = [out for out in outputs if not out.error]
+        for failed in [out for out in result.outputs if out.error]:
+            self._fail(failed.request_id, ErrorCode.ENGINE_ERROR, failed.error)
+        outputs: list[StepOutput] = [out for out in result.outputs if not out.error]
         if not outputs:
             return
         limit = self.settings.max_message_bytes
         tokens = [field for out in outputs for field in (
-            out.sequence.request_id, encode(Token(out.index, out.text, out.logprob, out.top_logprobs), limit),
-            out.sequence.output_ids[out.index])]
+            out.request_id, encode(Token(out.index, out.text, out.logprob, out.top_logprobs), limit),
+            out.token_id)]
         pipe = self.redis.pipeline(transaction=False)
         # First in the pipeline: what follows (a progress list's expiry, a Done) must come after its token.
         pipe.eval(_PUBLISH_TOKENS, 2, self.keys.results(""), self.keys.progress(""), *tokens)
         for out in outputs:
-            rid = out.sequence.request_id
+            rid = out.request_id
             timing = self.timings.get(rid)
             if timing and not timing.first_token_at:
                 timing.first_token_at = now()
@@ -296,7 +295,7 @@ class Worker:
                 pipe.expire(self.keys.progress(rid), PROGRESS_TTL_SECONDS)
             if out.finish_reason:
                 queue_s = timing.queue_s if timing else 0.0
-                self._send(pipe, rid, Done(out.finish_reason, len(out.sequence.prompt_ids), out.index + 1, queue_s))
+                self._send(pipe, rid, Done(out.finish_reason, out.prompt_tokens, out.index + 1, queue_s))
                 self._release(pipe, rid, "finished", reason=out.finish_reason, tokens=out.index + 1,
                               **(timing.decode_summary(out.index + 1) if timing else {}))
                 log.info("finished", extra={"request_id": rid, "finish_reason": out.finish_reason,
@@ -321,7 +320,7 @@ class Worker:
                   maxlen=EVENT_STREAM_MAXLEN, approximate=True)
 
 
-def build_engine(settings: Settings) -> tuple[LoadedModel | SimModel, Engine | SimEngine]:
+def build_engine(settings: Settings) -> tuple[Model, Engine]:
     if settings.worker_batching not in ("continuous", "static"):
         raise ValueError(f"WORKER_BATCHING={settings.worker_batching!r}: expected continuous or static")
     static = settings.worker_batching == "static"
@@ -329,8 +328,12 @@ def build_engine(settings: Settings) -> tuple[LoadedModel | SimModel, Engine | S
         model = SimModel()
         return model, SimEngine(model, settings.worker_slots, settings.sim_step_ms / 1000,
                                 settings.sim_step_per_seq_ms / 1000, static)
+    # Imported here: an ENGINE=sim worker never loads torch.
+    from worker.engine import Engine as ModelEngine
+    from worker.model import load_model
+
     loaded = load_model(settings)
-    return loaded, Engine(loaded, settings.worker_slots, static)
+    return loaded, ModelEngine(loaded, settings.worker_slots, static)
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from common.protocol import SamplingParams, Submit
-from worker.engine import PromptTooLong, StepOutput
+from worker.core import PromptTooLong, StepOutput, StepResult
 
 VOCAB = (
     " the", " of", " and", " to", " in", " is", " that", " it", " was", " for", " on", " are", " as", " with",
@@ -54,7 +54,6 @@ def sim_token(position: int) -> int:
 class SimEngine:
     """The Engine's interface, with a sleep for a forward pass."""
 
-    last_step = "decode"
     cache_positions = 0
 
     def __init__(self, model: SimModel, slots: int, step_s: float, per_sequence_s: float,
@@ -67,16 +66,22 @@ class SimEngine:
         self.waiting: deque[SimSequence] = deque()
         self.running: list[SimSequence] = []
 
+    @property
+    def running_count(self) -> int:
+        return len(self.running)
+
+    @property
+    def waiting_count(self) -> int:
+        return len(self.waiting)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-            resume: list[int] | None = None) -> SimSequence:
+            resume: list[int] | None = None) -> None:
         if len(prompt_ids) + len(resume or []) >= self.model.max_length:
             raise PromptTooLong(f"the prompt has {len(prompt_ids)} tokens; the context is {self.model.max_length}")
-        sequence = SimSequence(request_id, prompt_ids, params, list(resume or []))
-        self.waiting.append(sequence)
-        return sequence
+        self.waiting.append(SimSequence(request_id, prompt_ids, params, list(resume or [])))
 
     def cancel(self, request_id: str) -> bool:
         before = len(self.waiting) + len(self.running)
@@ -84,24 +89,25 @@ class SimEngine:
         self.running = [s for s in self.running if s.request_id != request_id]
         return len(self.waiting) + len(self.running) < before
 
-    def abort_all(self) -> list[SimSequence]:
-        dropped = list(self.waiting) + self.running
+    def abort_all(self) -> list[str]:
+        dropped = [s.request_id for s in [*self.waiting, *self.running]]
         self.waiting.clear()
         self.running = []
         return dropped
 
-    def step(self) -> list[StepOutput]:
+    def step(self) -> StepResult:
         admits = not (self.static and self.running)
         while admits and self.waiting and len(self.running) < self.slots:
             self.running.append(self.waiting.popleft())
         if not self.running:
-            return []
+            return StepResult("idle")
         time.sleep(self.step_s + self.per_sequence_s * len(self.running))
         outputs = []
         for sequence in self.running:
             token = sim_token(len(sequence.prompt_ids) + len(sequence.output_ids))
             sequence.output_ids.append(token)
             done = len(sequence.output_ids) >= sequence.params.max_tokens
-            outputs.append(StepOutput(sequence, len(sequence.output_ids) - 1, VOCAB[token], "length" if done else None))
+            outputs.append(StepOutput(sequence.request_id, token, len(sequence.output_ids) - 1, VOCAB[token],
+                                      "length" if done else None, len(sequence.prompt_ids)))
         self.running = [s for s in self.running if len(s.output_ids) < s.params.max_tokens]
-        return outputs
+        return StepResult("decode", outputs)

@@ -1,0 +1,75 @@
+"""The seam between the worker loop and an engine, free of torch: what a step returns and what the
+loop may ask of an engine and a model. `worker/engine.py` (the model) and `worker/sim.py`
+(ENGINE=sim, no torch) both implement it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from common.protocol import SamplingParams, Submit, TokenLogprob
+
+StepKind = Literal["prefill", "decode", "idle"]
+
+
+class PromptTooLong(ValueError):
+    pass
+
+
+@dataclass
+class StepOutput:
+    """Token `index` of request `request_id`: its id, the text it adds (less any held back for a possible
+    stop string), and why the request ends, if it does. `error` is set instead when this row alone failed;
+    it has then left the engine."""
+
+    request_id: str
+    token_id: int
+    index: int
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    logprob: TokenLogprob | None = None
+    top_logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+
+
+@dataclass
+class StepResult:
+    kind: StepKind
+    outputs: list[StepOutput] = field(default_factory=list)
+
+
+class Engine(Protocol):
+    slots: int
+
+    @property
+    def running_count(self) -> int: ...
+
+    @property
+    def waiting_count(self) -> int: ...
+
+    @property
+    def cache_positions(self) -> int: ...
+
+    def has_work(self) -> bool: ...
+
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+            resume: list[int] | None = None) -> None:
+        """Queue a request; `resume` holds tokens another worker already delivered. Raises PromptTooLong."""
+
+    def cancel(self, request_id: str) -> bool: ...
+
+    def abort_all(self) -> list[str]:
+        """Forget every request (after a failed step); returns their ids."""
+
+    def step(self) -> StepResult: ...
+
+
+class Model(Protocol):
+    name: str
+    max_length: int
+
+    @property
+    def vocab(self) -> int: ...
+
+    def prompt_ids(self, submit: Submit) -> list[int]: ...
