@@ -14,6 +14,7 @@ class ErrorCode(StrEnum):
     INVALID_API_KEY = "invalid_api_key"
     MODEL_NOT_FOUND = "model_not_found"
     NOT_FOUND = "not_found"
+    TRACE_NOT_FOUND = "trace_not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
     REQUEST_TOO_LARGE = "request_too_large"
     HEADERS_TOO_LARGE = "headers_too_large"
@@ -48,6 +49,7 @@ _STATUS = {
     ErrorCode.INVALID_API_KEY: 401,
     ErrorCode.MODEL_NOT_FOUND: 404,
     ErrorCode.NOT_FOUND: 404,
+    ErrorCode.TRACE_NOT_FOUND: 404,
     ErrorCode.METHOD_NOT_ALLOWED: 405,
     ErrorCode.REQUEST_TIMEOUT: 408,
     ErrorCode.REQUEST_TOO_LARGE: 413,

@@ -30,7 +30,7 @@ class Settings:
     queue_timeout: float = 600.0
     api_keys: str = ""
     key_max_requests: int = 64
-    client_buffer_bytes: int = 1 << 20
+    client_buffer_bytes: int = 256 << 10
     max_header_bytes: int = 16384
     header_timeout: float = 10.0
     body_timeout: float = 30.0

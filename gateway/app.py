@@ -12,6 +12,7 @@ from common.settings import Settings
 from common.telemetry import setup_logging
 from gateway import errors, observe, openai_api, page, routes
 from gateway.bus import Bus
+from gateway.connection import HeadLimits, limited_protocol
 from gateway.metrics import CountRequests
 from gateway.middleware import Guard
 
@@ -32,7 +33,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(observe.router)
     app.include_router(page.router)
     keys = [key.strip() for key in settings.api_keys.split(",") if key.strip()]
-    app.add_middleware(Guard, api_keys=keys, max_body=settings.max_message_bytes)
+    app.add_middleware(Guard, api_keys=keys, max_body=settings.max_message_bytes, body_timeout=settings.body_timeout)
     # Outermost, so that refusals by the guard are counted too.
     app.add_middleware(CountRequests, routes=set(app.openapi()["paths"]))
     return app
@@ -41,5 +42,6 @@ def create_app(settings: Settings) -> FastAPI:
 def main() -> None:
     settings = Settings.from_env()
     setup_logging("gateway", settings.log_level)
-    uvicorn.run(create_app(settings), host=settings.gateway_host, port=settings.gateway_port,
+    protocol = limited_protocol(HeadLimits(settings.max_header_bytes, settings.header_timeout))
+    uvicorn.run(create_app(settings), host=settings.gateway_host, port=settings.gateway_port, http=protocol,
                 log_config=None, access_log=False, timeout_graceful_shutdown=5)

@@ -21,6 +21,8 @@ QUEUE = Histogram("llmserve_gateway_queue_seconds", "From admission to a worker 
 TOKENS_IN = Counter("llmserve_gateway_prompt_tokens_total", "Prompt tokens of finished requests")
 TOKENS_OUT = Counter("llmserve_gateway_completion_tokens_total", "Tokens delivered to clients")
 ACTIVE = Gauge("llmserve_gateway_active_requests", "Requests admitted and not yet ended")
+SLOW_CLIENTS = Counter("llmserve_gateway_slow_clients_total",
+                       "HTTP requests cancelled because their client stopped reading past CLIENT_BUFFER_BYTES")
 
 # Paths with an id in them are counted under their template, to keep the label set small.
 _TEMPLATES = (("/v1/requests/", "/v1/requests/{request_id}/trace"), ("/static/", "/static"))

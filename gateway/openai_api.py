@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from common.errors import ErrorCode
 from common.protocol import Done, Error, Result, Submit, Token
 from gateway.bus import Bus
 from gateway.errors import ApiError
 from gateway.routes import SSE_HEADERS, bus_of, sse, submits_for
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, OpenAIFields
-from gateway.streams import collect, start
+from gateway.streams import api_error, collect, start
 
 router = APIRouter(prefix="/v1")
 
@@ -97,14 +98,14 @@ def usage(dones: list[Done], n: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def _prepare(bus: Bus, body: OpenAIFields, prompts: list[str | None], logprobs: int | None,
+async def _prepare(request: Request, body: OpenAIFields, prompts: list[str | None], logprobs: int | None,
                    chat: ChatCompletionRequest | None = None) -> list[Submit]:
-    models = await served_models(bus)
+    models = await served_models(bus_of(request))
     if body.model not in models:
-        raise ApiError(404, f"the model '{body.model}' does not exist; served: {', '.join(models)}",
-                       "model_not_found", "model")
+        raise ApiError.of(ErrorCode.MODEL_NOT_FOUND, f"the model '{body.model}' does not exist; served: "
+                          f"{', '.join(models)}", "model")
     messages = chat.chat_messages() if chat else None
-    return await submits_for(bus, body, prompts, body.n, messages, logprobs)
+    return await submits_for(request, body, prompts, body.n, messages, logprobs)
 
 
 async def _chunks(stack: AsyncExitStack, shape: Shape, head: dict[str, object], n: int, include_usage: bool,
@@ -114,8 +115,7 @@ async def _chunks(stack: AsyncExitStack, shape: Shape, head: dict[str, object], 
     async with stack:
         async for choice, result in results:
             if isinstance(result, Error):
-                yield sse({"error": {"message": result.message, "type": "server_error", "param": None,
-                                     "code": result.code}})
+                yield sse(api_error(result).body())
                 break
             first = choice not in started
             started.add(choice)
@@ -152,12 +152,12 @@ async def _respond(request: Request, body: OpenAIFields, shape: Shape, submits: 
 
 @router.post("/completions", summary="OpenAI text completions, streamed or whole")
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    submits = await _prepare(bus_of(request), body, body.prompt_list(), body.logprobs)
+    submits = await _prepare(request, body, body.prompt_list(), body.logprobs)
     return await _respond(request, body, Shape(chat=False), submits)
 
 
 @router.post("/chat/completions", summary="OpenAI chat completions, streamed or whole")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    submits = await _prepare(bus_of(request), body, [None], logprobs, chat=body)
+    submits = await _prepare(request, body, [None], logprobs, chat=body)
     return await _respond(request, body, Shape(chat=True), submits)

@@ -10,6 +10,7 @@ from pathlib import Path
 from fastapi import APIRouter
 from fastapi.responses import FileResponse
 
+from common.errors import ErrorCode
 from gateway.errors import ApiError
 
 STATIC = Path(__file__).parent / "static"
@@ -28,5 +29,5 @@ async def page() -> FileResponse:
 @router.get("/static/{name}")
 async def asset(name: str) -> FileResponse:
     if name not in ASSETS:
-        raise ApiError(404, f"no static file '{name}'", "not_found")
+        raise ApiError.of(ErrorCode.NOT_FOUND, f"no static file '{name}'")
     return FileResponse(STATIC / name, media_type=ASSETS[name], headers=REVALIDATE)

@@ -1,6 +1,7 @@
 """Per-request delivery: one shared pub/sub connection per gateway process, one
-mailbox per HTTP request (shared by its n choices), and a pump task that routes
-each published result to its mailbox tagged with the choice it belongs to.
+mailbox per HTTP request (shared by its n choices, bounded in bytes: gateway/mailbox.py),
+and a pump task that routes each published result to its mailbox tagged with the
+choice it belongs to.
 
 The pub/sub connection is a plain asyncio stream parsed by hiredis: each read
 returns every message that arrived meanwhile, and the pump routes them all in one
@@ -14,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import hiredis
@@ -22,16 +23,16 @@ from redis.asyncio.connection import SSLConnection, parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from common.protocol import Error, Keys, ProtocolError, Result, decode
+from common.errors import ErrorCode
+from common.protocol import Error, Keys
+from gateway.mailbox import Mailbox
 
 log = logging.getLogger("gateway")
-
-Mailbox = asyncio.Queue[tuple[int, Result]]
 
 READ_BYTES = 1 << 16
 FIRST_CONNECT_SECONDS = 5.0
 MAX_BACKOFF = 5.0
-LOST = Error("redis_unavailable", "the connection to Redis broke while the request was in flight")
+LOST = Error(ErrorCode.REDIS_UNAVAILABLE, "the connection to Redis broke while the request was in flight")
 
 
 def command(*parts: str | bytes) -> bytes:
@@ -56,10 +57,11 @@ async def connect(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
 class ResultRouter:
-    def __init__(self, redis_url: str, keys: Keys, limit: int) -> None:
+    def __init__(self, redis_url: str, keys: Keys, limit: int, buffer_bytes: int = 0) -> None:
         self.redis_url = redis_url
         self.keys = keys
         self.limit = limit
+        self.buffer_bytes = buffer_bytes
         self.writer: asyncio.StreamWriter | None = None  # set while connected
         self.connected = asyncio.Event()
         self.routes: dict[bytes, tuple[Mailbox, int]] = {}
@@ -80,13 +82,15 @@ class ResultRouter:
                 await self.pump
 
     @asynccontextmanager
-    async def open(self, request_ids: list[str]) -> AsyncIterator[Mailbox]:
+    async def open(self, request_ids: list[str], on_overflow: Callable[[], None] | None = None
+                   ) -> AsyncIterator[Mailbox]:
         """Subscribe to each request's channel and wait until Redis confirms them all, so
-        that nothing published after this returns can be missed."""
+        that nothing published after this returns can be missed. `on_overflow` is called
+        (from the pump) if the mailbox overflows because its reader stopped taking results."""
         if self.writer is None:
             raise RedisConnectionError("no connection to Redis")
         channels = [self.keys.results(rid).encode() for rid in request_ids]
-        mailbox: Mailbox = asyncio.Queue()
+        mailbox = Mailbox(request_ids, self.limit, self.buffer_bytes, on_overflow)
         loop = asyncio.get_running_loop()
         for choice, channel in enumerate(channels):
             self.routes[channel] = (mailbox, choice)
@@ -136,7 +140,7 @@ class ResultRouter:
 
     def _fail_all(self) -> None:
         for mailbox, choice in self.routes.values():
-            mailbox.put_nowait((choice, LOST))
+            mailbox.put(choice, LOST)
         for confirmed in self.confirmations.values():
             if not confirmed.done():
                 confirmed.set_exception(RedisConnectionError("the connection to Redis broke"))
@@ -159,10 +163,6 @@ class ResultRouter:
 
     def _deliver(self, channel: bytes, data: bytes) -> None:
         route = self.routes.get(channel)
-        if route is None:
-            return
-        mailbox, choice = route
-        try:
-            mailbox.put_nowait((choice, decode(data, Result, self.limit)))
-        except ProtocolError as exc:
-            log.error("dropped a malformed result", extra={"channel": channel.decode(), "error": str(exc)})
+        if route is not None:
+            mailbox, choice = route
+            mailbox.deliver(choice, data)

@@ -11,7 +11,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from redis import RedisError
 
-from common.protocol import ChatMessage, Done, Result, Submit, Token
+from common.errors import ErrorCode
+from common.protocol import ChatMessage, Done, Heartbeat, Result, Submit, Token
 from gateway.bus import Bus
 from gateway.errors import ApiError
 from gateway.schemas import GenerateRequest, SamplingFields
@@ -33,22 +34,34 @@ def sse(data: object, event: str | None = None, event_id: int | None = None) -> 
     return b"%sdata: %s\n\n" % (head.encode(), payload)
 
 
-async def submits_for(bus: Bus, body: SamplingFields, prompts: list[str | None], choices: int = 1,
+async def submits_for(request: Request, body: SamplingFields, prompts: list[str | None], choices: int = 1,
                       messages: list[ChatMessage] | None = None, logprobs: int | None = None) -> list[Submit]:
-    """One Submit per prompt and choice, each with its own request_id (choice i samples with seed + i)."""
-    await check_max_tokens(bus, body.max_tokens)
+    """One Submit per prompt and choice, each with its own request_id (choice i samples with seed + i),
+    all of one tenant: the digest of the API key that authorised the request (set by the Guard), or
+    else the request's first request_id."""
+    bus = bus_of(request)
+    check_engine_bounds(await bus.live_workers(), body)
     submits = [body.submit(prompt=p, messages=messages, seed_offset=i, logprobs=logprobs,
                            queue_timeout=bus.settings.queue_timeout) for p in prompts for i in range(choices)]
+    tenant = getattr(request.state, "tenant", None) or submits[0].request_id
     for submit in submits:
+        submit.tenant = tenant
         log.info("received", extra={"request_id": submit.request_id})
+    request.state.request_id = submits[0].request_id
     return submits
 
 
-async def check_max_tokens(bus: Bus, max_tokens: int | None) -> None:
-    contexts = [w.context for w in await bus.live_workers()]
-    if max_tokens is not None and contexts and max_tokens >= min(contexts):
-        raise ApiError(400, f"max_tokens is {max_tokens}; the model's context is {min(contexts)} tokens, "
-                       "prompt and completion together", "invalid_value", "max_tokens")
+def check_engine_bounds(workers: list[Heartbeat], body: SamplingFields) -> None:
+    """The bounds only the live workers know: their context and their vocabulary (a worker that does
+    not tell its vocabulary clamps top_k itself)."""
+    contexts = [w.context for w in workers]
+    if body.max_tokens is not None and contexts and body.max_tokens >= min(contexts):
+        raise ApiError.of(ErrorCode.INVALID_VALUE, f"max_tokens is {body.max_tokens}; the model's context is "
+                          f"{min(contexts)} tokens, prompt and completion together", "max_tokens")
+    vocabularies = [w.vocab for w in workers if w.vocab > 0]
+    if vocabularies and body.top_k > min(vocabularies):
+        raise ApiError.of(ErrorCode.INVALID_VALUE, f"top_k is {body.top_k}; the model's vocabulary has "
+                          f"{min(vocabularies)} tokens", "top_k")
 
 
 def done_fields(request_id: str, done: Done) -> dict[str, object]:
@@ -74,9 +87,9 @@ async def _seed_events(stack: AsyncExitStack, submit: Submit, results: AsyncIter
 @router.post("/generate_stream", summary="Stream one completion as server-sent events")
 async def generate_stream(body: GenerateRequest, request: Request) -> StreamingResponse:
     if body.prompt is None:
-        raise ApiError(400, "/generate_stream takes one 'prompt'", "invalid_value", "prompt")
+        raise ApiError.of(ErrorCode.INVALID_VALUE, "/generate_stream takes one 'prompt'", "prompt")
     bus = bus_of(request)
-    submits = await submits_for(bus, body, body.prompt_list())
+    submits = await submits_for(request, body, body.prompt_list())
     stack, results = await start(bus, request, submits)
     return StreamingResponse(_seed_events(stack, submits[0], results), media_type="text/event-stream",
                              headers={**SSE_HEADERS, "X-Request-Id": submits[0].request_id})
@@ -85,7 +98,7 @@ async def generate_stream(body: GenerateRequest, request: Request) -> StreamingR
 @router.post("/generate", summary="Whole completions for one prompt or a list of prompts")
 async def generate(body: GenerateRequest, request: Request) -> JSONResponse:
     bus = bus_of(request)
-    submits = await submits_for(bus, body, body.prompt_list())
+    submits = await submits_for(request, body, body.prompt_list())
     collected = await collect(bus, request, submits)
     answers = []
     for submit, results in zip(submits, collected, strict=True):

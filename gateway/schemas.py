@@ -4,34 +4,55 @@ OpenAI routes share one set of sampling fields; only their defaults differ."""
 from __future__ import annotations
 
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from common.protocol import ChatMessage, SamplingParams, Submit, now
 
 MAX_STOP_STRINGS = 4
 MAX_CHOICES = 16
 MAX_PROMPTS = 256
-# A chat request without a token limit runs until end-of-sequence or the model's context.
+# A chat request without a token limit runs until end-of-sequence or the model's context; also the
+# bound of every token count, and of top_k while no worker has told its vocabulary.
 UNTIL_CONTEXT_ENDS = 2**31 - 1
+MAX_TOKENS = UNTIL_CONTEXT_ENDS
+MAX_TIMEOUT = 86400.0
+
+
+def _encodable(value: str) -> str:
+    """JSON's escapes can spell a lone surrogate, which is no character: the bus could not carry it."""
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"not valid Unicode: a lone surrogate at position {exc.start}") from None
+    return value
+
+
+# Every string a client sends is this type.
+Text = Annotated[str, AfterValidator(_encodable)]
 
 
 class SamplingFields(BaseModel):
-    """Sampling controls shared by every generation route (defaults as in the seed)."""
+    """Sampling controls shared by every generation route (defaults as in the seed). Every bound is one
+    the engine needs: integers fit its 64-bit tensors, floats are finite."""
 
-    max_tokens: int = Field(20, ge=1, description="Most tokens to generate; at most the model's context.")
+    model_config = ConfigDict(allow_inf_nan=False)
+
+    max_tokens: int = Field(20, ge=1, le=MAX_TOKENS, description="Most tokens to generate; at most the model's "
+                            "context.")
     temperature: float = Field(0.7, ge=0.0, le=100.0, description="0 means greedy.")
     top_p: float = Field(0.95, gt=0.0, le=1.0)
-    top_k: int = Field(50, ge=-1, description="0 or -1 turns top-k off.")
+    top_k: int = Field(50, ge=-1, le=MAX_TOKENS, description="0 or -1 turns top-k off; at most the vocabulary.")
     seed: int | None = Field(None, ge=0, lt=2**63, description="Same seed, same text.")
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
-    min_tokens: int = Field(0, ge=0, description="Suppress end-of-sequence before this many tokens.")
-    stop: str | list[str] | None = Field(None, description=f"Up to {MAX_STOP_STRINGS} strings that end the text; "
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS, description="Suppress end-of-sequence before this many tokens.")
+    stop: Text | list[Text] | None = Field(None, description=f"Up to {MAX_STOP_STRINGS} strings that end the text; "
                                          "the stop string itself is not returned.")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    timeout: float | None = Field(None, gt=0, description="Seconds the request may wait in the queue.")
+    timeout: float | None = Field(None, gt=0, le=MAX_TIMEOUT, description="Seconds the request may wait in the "
+                                  "queue.")
 
     @model_validator(mode="after")
     def _check_sampling(self) -> SamplingFields:
@@ -70,8 +91,8 @@ class GenerateRequest(SamplingFields):
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str | None = Field(None, min_length=1)
-    prompts: list[str] | None = Field(None, min_length=1, max_length=MAX_PROMPTS)
+    prompt: Text | None = Field(None, min_length=1)
+    prompts: list[Text] | None = Field(None, min_length=1, max_length=MAX_PROMPTS)
 
     @model_validator(mode="after")
     def _one_kind_of_prompt(self) -> GenerateRequest:
@@ -94,22 +115,24 @@ class OpenAIFields(SamplingFields):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str = Field(..., min_length=1, description="A model id from GET /v1/models.")
+    model: Text = Field(..., min_length=1, description="A model id from GET /v1/models.")
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="Choices to generate for each prompt.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 means greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1, description="0 or -1 turns top-k off (an extension, as in vLLM).")
-    user: str | None = None
+    top_k: int = Field(-1, ge=-1, le=MAX_TOKENS, description="0 or -1 turns top-k off (an extension, as in "
+                       "vLLM); at most the vocabulary.")
+    user: Text | None = None
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
 class CompletionRequest(OpenAIFields):
-    prompt: str | list[str] = Field(..., description="A prompt or a list of prompts.")
-    max_tokens: int = Field(16, ge=1, description="Most tokens to generate; at most the model's context.")
+    prompt: Text | list[Text] = Field(..., description="A prompt or a list of prompts.")
+    max_tokens: int = Field(16, ge=1, le=MAX_TOKENS, description="Most tokens to generate; at most the model's "
+                            "context.")
     logprobs: int | None = Field(None, ge=0, le=5, description="Log-probabilities of the chosen and top tokens.")
     echo: Literal[False] = Field(False, description="Echoing the prompt is not supported.")
 
@@ -128,13 +151,14 @@ class CompletionRequest(OpenAIFields):
 
 class ChatRequestMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str
+    content: Text
 
 
 class ChatCompletionRequest(OpenAIFields):
     messages: list[ChatRequestMessage] = Field(..., min_length=1)
-    max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI; max_completion_tokens wins.")
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, description="Deprecated by OpenAI; "
+                                   "max_completion_tokens wins.")
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 

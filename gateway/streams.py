@@ -11,22 +11,16 @@ from typing import TypeVar
 
 from fastapi import Request
 
+from common.errors import status_of
 from common.protocol import Error, Result, Submit
-from gateway.bus import Bus, QueueFull
-from gateway.errors import ApiError, ClientGone
+from gateway.bus import Bus, Refused
+from gateway.errors import ApiError, ClientGone, retry_headers
 
 T = TypeVar("T")
 
-# HTTP status of each error code a request can end with.
-STATUS_OF_CODE = {"context_length_exceeded": 400, "queue_timeout": 503, "migration_limit": 503,
-                  "redis_unavailable": 503, "engine_error": 500}
-RETRY_AFTER_SECONDS = "1"
-
 
 def api_error(error: Error) -> ApiError:
-    status = STATUS_OF_CODE.get(error.code, 500)
-    headers = {"Retry-After": RETRY_AFTER_SECONDS} if status == 503 else None
-    return ApiError(status, error.message, error.code, headers=headers)
+    return ApiError(status_of(error.code), error.message, error.code, headers=retry_headers(error.code))
 
 
 async def unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
@@ -59,10 +53,9 @@ async def start(bus: Bus, request: Request, submits: list[Submit]) -> tuple[Asyn
     try:
         results = await stack.enter_async_context(bus.session(submits))
         first = await unless_disconnected(request, anext(results))
-    except QueueFull:
+    except Refused as refused:
         await stack.aclose()
-        raise ApiError(429, f"the queue is full ({bus.settings.max_queue} requests wait); retry later",
-                       "queue_full", headers={"Retry-After": RETRY_AFTER_SECONDS}) from None
+        raise ApiError.of(refused.code, refused.message, refused.param) from None
     except BaseException:
         await stack.aclose()
         raise

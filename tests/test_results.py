@@ -12,7 +12,8 @@ import redis
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from common.protocol import Done, Keys, Token, encode
+from common.protocol import Done, Error, Keys, Token, encode
+from gateway.mailbox import Mailbox
 from gateway.results import ResultRouter, command
 from llmserve.launcher import free_port, redis_server_binary, wait_until
 
@@ -82,3 +83,32 @@ def test_a_refused_password_fails_requests_at_once(port: int) -> None:
             await router.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_mailbox_past_its_bound_drops_its_results_and_holds_one_error_per_choice() -> None:
+    async def scenario() -> tuple[list[tuple[int, object]], int]:
+        overflows = []
+        token = encode(Token(0, "word"), LIMIT)
+        mailbox = Mailbox(["r1", "r2"], LIMIT, limit=4 * len(token) + 40, on_overflow=lambda: overflows.append(1))
+        mailbox.deliver(0, token)
+        assert (await mailbox.get()) == (0, Token(0, "word"))  # what is taken frees its room
+        for _ in range(4):
+            mailbox.deliver(1, token)
+        assert not overflows and len(mailbox.data) < mailbox.limit
+        mailbox.deliver(0, token)  # the one too many
+        mailbox.deliver(0, encode(Done("length", 1, 1), LIMIT))  # dropped: the request is over
+        return [await mailbox.get() for _ in range(2)], len(overflows)
+
+    got, overflows = asyncio.run(scenario())
+    assert overflows == 1
+    assert [choice for choice, _ in got] == [0, 1]
+    assert all(isinstance(error, Error) and error.code == "client_too_slow" for _, error in got)
+
+
+def test_a_mailbox_takes_a_first_result_larger_than_its_bound() -> None:
+    async def scenario() -> object:
+        mailbox = Mailbox(["r1"], LIMIT, limit=16)
+        mailbox.deliver(0, encode(Token(0, "a long word, longer than the bound"), LIMIT))
+        return await mailbox.get()
+
+    assert asyncio.run(scenario()) == (0, Token(0, "a long word, longer than the bound"))

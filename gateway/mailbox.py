@@ -1,0 +1,84 @@
+"""One HTTP request's results between the pub/sub pump and its handler, bounded in bytes.
+
+A client that stops reading leaves its handler stuck in `send` while results keep
+arriving; past `limit` bytes the mailbox drops what it holds, tells its owner (who
+cancels the request) and from then on holds only a `client_too_slow` error per choice,
+which the handler sends if the client ever reads again. Results are kept as the raw
+payloads that arrived, framed in one bytearray and decoded when taken, so that the
+bytes counted are the memory held."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from common.errors import ErrorCode
+from common.protocol import Error, ProtocolError, Result, decode, encode
+
+log = logging.getLogger("gateway")
+
+# Each payload is framed as (choice, length).
+FRAME = struct.Struct("<HI")
+
+
+@dataclass
+class Mailbox:
+    request_ids: list[str]
+    message_limit: int
+    # Bytes held before the request counts as abandoned; 0: no bound.
+    limit: int = 0
+    on_overflow: Callable[[], None] | None = None
+    overflowed: bool = False
+    data: bytearray = field(default_factory=bytearray)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def deliver(self, choice: int, payload: bytes) -> None:
+        """A result as published; the pump calls this, so it never waits."""
+        if self.overflowed:
+            return
+        # The first result is always taken, however large: the bound is on what waits behind it.
+        if self.limit and self.data and len(self.data) + FRAME.size + len(payload) > self.limit:
+            self._overflow()
+            return
+        self._append(choice, payload)
+
+    def put(self, choice: int, result: Result) -> None:
+        """An outcome the gateway decides itself (the connection to Redis broke)."""
+        self._append(choice, encode(result, self.message_limit))
+
+    async def get(self) -> tuple[int, Result]:
+        while True:
+            while not self.data:
+                self.ready.clear()
+                await self.ready.wait()
+            choice, size = FRAME.unpack_from(self.data)
+            payload = bytes(self.data[FRAME.size:FRAME.size + size])
+            del self.data[:FRAME.size + size]
+            try:
+                return choice, decode(payload, Result, self.message_limit)
+            except ProtocolError as exc:
+                log.error("dropped a malformed result", extra={"request_id": self.request_ids[choice],
+                                                               "error": str(exc)})
+
+    def empty(self) -> bool:
+        return not self.data
+
+    def _append(self, choice: int, payload: bytes) -> None:
+        self.data += FRAME.pack(choice, len(payload))
+        self.data += payload
+        self.ready.set()
+
+    def _overflow(self) -> None:
+        log.warning("client too slow: its results were dropped and the request cancelled",
+                    extra={"request_id": self.request_ids[0], "buffered_bytes": len(self.data)})
+        self.data = bytearray()
+        self.overflowed = True
+        slow = Error(ErrorCode.CLIENT_TOO_SLOW, f"the client did not read its stream: over {self.limit} bytes of "
+                     "results waited for it, so the request was cancelled")
+        for choice in range(len(self.request_ids)):
+            self.put(choice, slow)
+        if self.on_overflow is not None:
+            self.on_overflow()
