@@ -3,7 +3,9 @@
 - fairness: time to first token of a light API key (one request at a time) while a heavy key floods
   the cluster, under SCHEDULING_POLICY=fair and fifo, and with no flood at all;
 - memory: Redis bytes left behind per finished request with large prompts, once traces have expired
-  (TRACE_TTL=1) and with the default TRACE_TTL.
+  (TRACE_TTL=1) and with the default TRACE_TTL;
+- slow-readers: gateway memory while N clients open a long stream and never read (small receive
+  buffers), until CLIENT_BUFFER_BYTES cancels them, and whether a normal request is served meanwhile.
 
 The control plane is what is measured, so the workers are ENGINE=sim; the policy code is the same
 for the real model."""
@@ -13,11 +15,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
+import socket
 import sys
 import time
 from pathlib import Path
 
 import httpx
+import psutil
 import redis
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,19 +116,64 @@ def memory(args: argparse.Namespace) -> dict[str, object]:
     return {"rounds": rounds}
 
 
+def slow_readers(args: argparse.Namespace) -> dict[str, object]:
+    settings = {**SIM, "SIM_STEP_MS": "50", "SIM_STEP_PER_SEQ_MS": "0", "WORKER_SLOTS": str(args.readers + 16),
+                "CLIENT_BUFFER_BYTES": str(args.buffer_bytes)}
+    with private_stack(1, **settings) as running:
+        gateway = psutil.Process(next(p.pid for name, p in running.stack.processes if name == "gateway"))
+        httpx.post(f"{running.url}/generate", json={"prompt": "warm", "max_tokens": 2}, timeout=30)
+        idle = gateway.memory_info().rss
+        body = json.dumps({"prompt": "go on", "max_tokens": 8000}).encode()
+        head = (f"POST /generate_stream HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        clients = []
+        for _ in range(args.readers):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", int(running.url.rsplit(":", 1)[1])))
+            sock.sendall(head + body)
+            clients.append(sock)
+        samples = []
+        started = time.monotonic()
+        while time.monotonic() - started < args.seconds:
+            time.sleep(5)
+            health = httpx.get(f"{running.url}/health", timeout=60).json()
+            cancelled = re.search(r"^llmserve_gateway_slow_clients_total (\S+)$",
+                                  httpx.get(f"{running.url}/metrics").text, re.M)
+            samples.append({"s": round(time.monotonic() - started), "rss_mb": gateway.memory_info().rss / 2**20,
+                            "running": health["running"], "cancelled": float(cancelled.group(1)) if cancelled else 0})
+            print(json.dumps(samples[-1]), flush=True)
+        sent = time.monotonic()
+        normal = httpx.post(f"{running.url}/generate", json={"prompt": "still there?", "max_tokens": 2}, timeout=30)
+        normal_s = time.monotonic() - sent
+        status = Path(f"/proc/{gateway.pid}/status").read_text()
+        peak = int(re.search(r"VmHWM:\s+(\d+)", status).group(1)) / 1024
+        for sock in clients:
+            sock.close()
+        exited = running.stack.exited()
+    return {"readers": args.readers, "client_buffer_bytes": args.buffer_bytes, "idle_rss_mb": idle / 2**20,
+            "peak_rss_mb": peak, "samples": samples, "normal_request": [normal.status_code, normal_s],
+            "services_exited": exited}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", choices=["fairness", "memory", "both"], nargs="?", default="both")
+    parser.add_argument("part", choices=["fairness", "memory", "slow-readers", "all"], nargs="?", default="all")
     parser.add_argument("--flooders", type=int, default=48, help="concurrent heavy-key requests")
     parser.add_argument("--light-requests", type=int, default=20)
     parser.add_argument("--requests", type=int, default=30, help="large requests for the memory part")
     parser.add_argument("--prompt-bytes", type=int, default=900_000)
+    parser.add_argument("--readers", type=int, default=1000, help="clients that never read")
+    parser.add_argument("--buffer-bytes", type=int, default=256 << 10, help="CLIENT_BUFFER_BYTES")
+    parser.add_argument("--seconds", type=float, default=90)
     args = parser.parse_args()
     out = {}
-    if args.part in ("fairness", "both"):
+    if args.part in ("fairness", "all"):
         out["fairness"] = fairness(args)
-    if args.part in ("memory", "both"):
+    if args.part in ("memory", "all"):
         out["memory"] = memory(args)
+    if args.part in ("slow-readers", "all"):
+        out["slow_readers"] = slow_readers(args)
     path = ROOT / "bench" / "results" / "isolation.json"
     previous = json.loads(path.read_text()) if path.exists() else {}
     path.write_text(json.dumps({**previous, **out}, indent=2) + "\n")
