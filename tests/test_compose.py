@@ -1,5 +1,5 @@
 """docker-compose.yml and the local launcher must start the same services with the
-same commands and settings (no Docker engine here, so this is the check)."""
+same commands and settings (tests/test_docker.py runs compose itself where an engine is)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ from common.settings import Settings, env_names
 from llmserve.launcher import SERVICE_COMMANDS
 
 ROOT = Path(__file__).resolve().parent.parent
-# Inside compose these two point at the compose network instead of the host.
+# Inside compose REDIS_URL points at the compose network instead of the host.
 COMPOSE_ONLY_DEFAULTS = {"REDIS_URL": "redis://redis:6379/0"}
+# Workers get one torch thread each, not one per core of the host: `--scale worker=N` shares the host.
+WORKER_DEFAULTS = {"WORKER_THREADS": "1"}
 
 
 def compose() -> dict:
@@ -32,13 +34,29 @@ def test_compose_runs_the_launcher_services_with_the_same_commands() -> None:
 
 def test_every_service_gets_every_setting_with_the_launcher_default() -> None:
     defaults = {field.upper(): str(value) for field, value in vars(Settings()).items()}
-    for name in SERVICE_COMMANDS:
-        environment = compose()["services"][name]["environment"]
+    services = {"x-settings": compose()["x-settings"]} | {name: compose()["services"][name]["environment"]
+                                                          for name in SERVICE_COMMANDS}
+    for name, environment in services.items():
         assert set(environment) == set(env_names()), name
         for key, value in environment.items():
             match = re.fullmatch(r"\$\{(\w+):-(.*)\}", value)
             assert match and match.group(1) == key, f"{name}: {key} must be ${{{key}:-default}}"
-            assert match.group(2) == COMPOSE_ONLY_DEFAULTS.get(key, defaults[key]), f"{name}: {key}"
+            expected = COMPOSE_ONLY_DEFAULTS.get(key, defaults[key])
+            if name == "worker":
+                expected = WORKER_DEFAULTS.get(key, expected)
+            assert match.group(2) == expected, f"{name}: {key}"
+
+
+def test_every_service_has_a_health_check_and_waits_for_a_healthy_redis() -> None:
+    services = compose()["services"]
+    for name in ("redis", *SERVICE_COMMANDS):
+        assert services[name]["healthcheck"]["test"][0] == "CMD", name
+    for name in SERVICE_COMMANDS:
+        assert services[name]["depends_on"] == {"redis": {"condition": "service_healthy"}}, name
+        assert services[name]["init"] is True, name
+    assert "/health" in " ".join(services["gateway"]["healthcheck"]["test"])
+    assert "SCHEDULER_METRICS_PORT" in " ".join(services["scheduler"]["healthcheck"]["test"])
+    assert "WORKER_METRICS_PORT" in " ".join(services["worker"]["healthcheck"]["test"])
 
 
 def test_workers_scale_without_fixed_names_or_ports() -> None:
