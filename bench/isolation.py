@@ -41,13 +41,13 @@ async def first_token_s(client: httpx.AsyncClient, key: str, max_tokens: int) ->
     async with client.stream("POST", "/generate_stream", json=body,
                              headers={"Authorization": f"Bearer {key}"}) as response:
         response.raise_for_status()
+        ttft = None
         async for line in response.aiter_lines():
-            if line.startswith("data:"):
+            if line.startswith("data:") and ttft is None:
                 ttft = time.monotonic() - sent
-                async for _ in response.aiter_lines():
-                    pass
-                return ttft
-    raise RuntimeError("no token")
+    if ttft is None:
+        raise RuntimeError("no token")
+    return ttft
 
 
 async def flood(client: httpx.AsyncClient, stop: asyncio.Event, max_tokens: int) -> int:
@@ -62,6 +62,7 @@ async def flood(client: httpx.AsyncClient, stop: asyncio.Event, max_tokens: int)
 async def fairness_round(url: str, flooders: int, light_requests: int) -> dict[str, object]:
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         stop = asyncio.Event()
+        started = time.monotonic()
         heavy = [asyncio.create_task(flood(client, stop, 128)) for _ in range(flooders)]
         await asyncio.sleep(3 if flooders else 0)
         ttfts = []
@@ -70,7 +71,9 @@ async def fairness_round(url: str, flooders: int, light_requests: int) -> dict[s
             await asyncio.sleep(0.2)
         stop.set()
         heavy_done = sum(await asyncio.gather(*heavy))
-    return {"light_ttft_s": describe(ttfts), "heavy_completed": heavy_done}
+        seconds = time.monotonic() - started
+    return {"light_ttft_s": describe(ttfts), "heavy_completed": heavy_done, "seconds": seconds,
+            "heavy_tok_s": heavy_done * 128 / seconds}
 
 
 def fairness(args: argparse.Namespace) -> dict[str, object]:
@@ -164,7 +167,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=30, help="large requests for the memory part")
     parser.add_argument("--prompt-bytes", type=int, default=900_000)
     parser.add_argument("--readers", type=int, default=1000, help="clients that never read")
-    parser.add_argument("--buffer-bytes", type=int, default=256 << 10, help="CLIENT_BUFFER_BYTES")
+    parser.add_argument("--buffer-bytes", type=int, default=64 << 10, help="CLIENT_BUFFER_BYTES")
     parser.add_argument("--seconds", type=float, default=90)
     args = parser.parse_args()
     out = {}

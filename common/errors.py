@@ -15,6 +15,8 @@ class ErrorCode(StrEnum):
     MODEL_NOT_FOUND = "model_not_found"
     NOT_FOUND = "not_found"
     TRACE_NOT_FOUND = "trace_not_found"
+    STREAM_NOT_FOUND = "stream_not_found"
+    STREAM_TRUNCATED = "stream_truncated"
     METHOD_NOT_ALLOWED = "method_not_allowed"
     REQUEST_TOO_LARGE = "request_too_large"
     HEADERS_TOO_LARGE = "headers_too_large"
@@ -27,6 +29,7 @@ class ErrorCode(StrEnum):
     MIGRATION_LIMIT = "migration_limit"
     DEAD_LETTER = "dead_letter"
     CLIENT_TOO_SLOW = "client_too_slow"
+    CANCELLED = "cancelled"
     REDIS_UNAVAILABLE = "redis_unavailable"
     REDIS_FULL = "redis_full"
     ENGINE_ERROR = "engine_error"
@@ -50,6 +53,8 @@ _STATUS = {
     ErrorCode.MODEL_NOT_FOUND: 404,
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.TRACE_NOT_FOUND: 404,
+    ErrorCode.STREAM_NOT_FOUND: 404,
+    ErrorCode.STREAM_TRUNCATED: 410,
     ErrorCode.METHOD_NOT_ALLOWED: 405,
     ErrorCode.REQUEST_TIMEOUT: 408,
     ErrorCode.REQUEST_TOO_LARGE: 413,
@@ -57,6 +62,8 @@ _STATUS = {
     ErrorCode.QUEUE_FULL: 429,
     ErrorCode.KEY_LIMIT: 429,
     ErrorCode.CLIENT_TOO_SLOW: 408,
+    # nginx's "client closed request": the request ended because nobody was left to read it.
+    ErrorCode.CANCELLED: 499,
     ErrorCode.ENGINE_ERROR: 500,
     ErrorCode.DEAD_LETTER: 500,
     ErrorCode.INTERNAL_ERROR: 500,

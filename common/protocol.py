@@ -34,6 +34,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
     frequency_penalty: float = 0.0
     # None: no log-probabilities; n >= 0: the chosen token's and the n most likely alternatives.
     logprobs: int | None = None
+    # (token id, bias) pairs added to the row's logits before sampling; a bias of -100 or less bans the token.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
@@ -125,6 +127,29 @@ class Heartbeat(msgspec.Struct, tag="heartbeat"):
     draining: bool = False
     metrics_port: int = 0
     vocab: int = 0
+    # Text keys (common/prefix.py) of prompt prefixes whose blocks its prefix cache holds, the most recently
+    # admitted first and at most a few hundred: the scheduler sends requests sharing them its way. They live
+    # as long as the heartbeat key (WORKER_TTL).
+    prefixes: list[int] = msgspec.field(default_factory=list)
+
+
+class StreamMeta(msgspec.Struct, tag="stream"):
+    """What resuming an HTTP stream needs to know of it, written by the gateway at admission as the
+    header of the results log of its first request_id (`Keys.log`): the API and its answer's shape,
+    and whom it belongs to."""
+
+    # "seed" (/generate_stream), "completion" or "chat" (the OpenAI routes).
+    api: Literal["seed", "completion", "chat"]
+    # One per choice (each prompt times n, in the order of the answer's choices); the first names the stream.
+    request_ids: list[str]
+    model: str = ""
+    n: int = 1
+    created: int = 0
+    include_usage: bool = False
+    # The Submit's tenant: the digest of the API key that created the stream (with API_KEYS), which alone
+    # may resume it.
+    tenant: str = ""
+    keyed: bool = False
 
 
 class TraceEvent(msgspec.Struct, array_like=True):
@@ -203,6 +228,18 @@ class Keys:
     def progress(self, request_id: str) -> str:
         """List of the token ids a worker has delivered for this request, for resuming it elsewhere."""
         return f"{self.ns}:progress:{request_id}"
+
+    def log(self, request_id: str) -> str:
+        """List of what was published for this request, for resuming its stream (common/resultlog.py):
+        the bytes of results held, a header (the StreamMeta for a stream's first request_id, else empty),
+        then each encoded result in order; kept RESUME_TTL seconds after the last one."""
+        return f"{self.ns}:log:{request_id}"
+
+    @property
+    def leases(self) -> str:
+        """Sorted set of streams (their first request_id) scored by when, in Redis milliseconds, they are
+        cancelled unless a gateway with a client reading them extends the lease first."""
+        return f"{self.ns}:leases"
 
     def trace(self, request_id: str) -> str:
         """List of TraceEvent: the request's journey, kept for TRACE_TTL seconds."""

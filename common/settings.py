@@ -22,6 +22,9 @@ class Settings:
     worker_dtype: str = "auto"
     worker_quant: str = "auto"
     worker_batching: str = "continuous"
+    prefill_block: int = 0
+    prefill_chunk: int = 16
+    prefix_cache_bytes: int = 256 << 20
     heartbeat_interval: float = 1.0
     worker_ttl: float = 5.0
     max_message_bytes: int = 1 << 20
@@ -30,7 +33,7 @@ class Settings:
     queue_timeout: float = 600.0
     api_keys: str = ""
     key_max_requests: int = 64
-    client_buffer_bytes: int = 256 << 10
+    client_buffer_bytes: int = 64 << 10
     max_header_bytes: int = 16384
     header_timeout: float = 10.0
     body_timeout: float = 30.0
@@ -42,6 +45,9 @@ class Settings:
     drain_timeout: float = 25.0
     drain_mode: str = "auto"
     trace_ttl: float = 600.0
+    resume_ttl: float = 300.0
+    resume_grace: float = 5.0
+    resume_log_bytes: int = 256 << 10
     scheduler_metrics_port: int = 9101
     worker_metrics_port: int = 9102
     engine: str = "hf"
@@ -77,7 +83,8 @@ class Settings:
             raise SettingsError(f"DRAIN_MODE={self.drain_mode!r}: expected auto or finish")
         if self.scheduling_policy not in ("fair", "fifo"):
             raise SettingsError(f"SCHEDULING_POLICY={self.scheduling_policy!r}: expected fair or fifo")
-        for name in ("worker_slots", "max_message_bytes", "heartbeat_interval", "worker_ttl", "poison_limit"):
+        for name in ("worker_slots", "max_message_bytes", "heartbeat_interval", "worker_ttl", "poison_limit",
+                     "resume_log_bytes"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name.upper()}={getattr(self, name)}: must be positive")
 

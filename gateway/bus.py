@@ -1,41 +1,41 @@
-"""The gateway's side of the bus: admit requests to the queue, receive their
-results, cancel what a client abandons."""
+"""The gateway's side of the bus: admit requests to the queue, keep what a stream needs to be
+resumed (its results logs, its lease), end streams (delivered, left to their lease, or cancelled)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from collections.abc import Awaitable
 
-import anyio
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
-from redis.exceptions import RedisError
 
 from common.errors import ErrorCode
 from common.protocol import (
     PAYLOAD,
     REQUEST_STREAM_MAXLEN,
     Cancel,
-    Done,
+    Error,
     Heartbeat,
     Keys,
     ProtocolError,
     Result,
+    StreamMeta,
     Submit,
     Token,
     TraceEvent,
     decode,
     encode,
 )
+from common.resultlog import LOG_HEAD, publish_results
 from common.settings import Settings
 from common.trace import stamp
 from gateway import metrics
-from gateway.mailbox import Mailbox
+from gateway.leases import Leases
 from gateway.results import ResultRouter
+
+log = logging.getLogger("gateway")
 
 WORKERS_CACHE_SECONDS = 1.0
 # Room left in a message for what the scheduler wraps around a Submit (a Batch and its id).
@@ -46,31 +46,46 @@ RUN_BOUND_SECONDS = 3600.0
 
 # Admission and publication in one atomic step: the bounds are exact under any burst, and all
 # choices of one HTTP request are admitted together or not at all. Every write comes after every
-# check, so a Redis at its memory limit (whose first write fails) is left as it was.
-# KEYS: queued count, queued bytes, request stream, the tenant's in-flight set.
+# check, so a Redis at its memory limit (whose first write fails) is left as it was. A stream that
+# may be resumed gets its results logs (common/resultlog.py) and its lease (gateway/leases.py) here
+# too, before any worker can publish to it.
+# KEYS: queued count, queued bytes, request stream, the tenant's in-flight set, log prefix, leases.
 # ARGV: max queue, max queue bytes, stream maxlen, key limit (0: none), seconds a request counts
-# against its key, n, then n request ids, then n payloads.
+# against its key, n, the logs' expiry in ms (0: no logs), the lease in ms (0: none), the header of
+# the first log (the StreamMeta), then n request ids, then n payloads.
 _ADMIT = """
 local n = tonumber(ARGV[6])
+local ids, payloads = 10, 10 + n
 local size = 0
-for i = 7 + n, 6 + 2 * n do size = size + #ARGV[i] end
+for i = payloads, 9 + 2 * n do size = size + #ARGV[i] end
 local queued = tonumber(redis.call('GET', KEYS[1]) or '0')
 if queued > 0 and queued + n > tonumber(ARGV[1]) then return 'queue_full' end
 local queued_bytes = tonumber(redis.call('GET', KEYS[2]) or '0')
 if queued_bytes > 0 and queued_bytes + size > tonumber(ARGV[2]) then return 'queue_bytes' end
-local limit = tonumber(ARGV[4])
-if limit > 0 then
+local limit, log_ttl, lease = tonumber(ARGV[4]), tonumber(ARGV[7]), tonumber(ARGV[8])
+local now = 0
+if limit > 0 or lease > 0 then
   local clock = redis.call('TIME')
-  local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
+  now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
+end
+if limit > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
   if redis.call('ZCARD', KEYS[4]) + n > limit then return 'key_limit' end
   local expiry = now + tonumber(ARGV[5])
-  for i = 7, 6 + n do redis.call('ZADD', KEYS[4], expiry, ARGV[i]) end
+  for i = ids, payloads - 1 do redis.call('ZADD', KEYS[4], expiry, ARGV[i]) end
   redis.call('EXPIREAT', KEYS[4], math.ceil(expiry))
 end
 redis.call('INCRBY', KEYS[1], n)
 redis.call('INCRBY', KEYS[2], size)
-for i = 7 + n, 6 + 2 * n do
+if log_ttl > 0 then
+  for i = ids, payloads - 1 do
+    local log = KEYS[5] .. ARGV[i]
+    redis.call('RPUSH', log, 0, i == ids and ARGV[9] or '')
+    redis.call('PEXPIRE', log, log_ttl)
+  end
+end
+if lease > 0 then redis.call('ZADD', KEYS[6], math.floor(now * 1000) + lease, ARGV[ids]) end
+for i = payloads, 9 + 2 * n do
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'm', ARGV[i])
 end
 return 'ok'
@@ -85,24 +100,14 @@ class Refused(Exception):
         self.code, self.message, self.param = code, message, param
 
 
-@dataclass
-class Admission:
-    """The requests of one HTTP request on the bus, and which of them still run."""
-
-    submits: list[Submit]
-    pending: set[int]
-    released: bool = False
-
-    @property
-    def request_ids(self) -> list[str]:
-        return [s.request_id for s in self.submits]
-
-
 POOL_CONNECTIONS = 64
 POOL_WAIT_SECONDS = 30.0
 
 
 class Bus:
+    """The gateway's Redis: admission, the results logs and leases of streams, cancellation, and what
+    the watching routes read. Streams themselves are gateway/streams.py."""
+
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.limit = settings.max_message_bytes
@@ -112,49 +117,52 @@ class Bus:
         self.redis = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
             settings.redis_url, max_connections=POOL_CONNECTIONS, timeout=POOL_WAIT_SECONDS))
         self.router = ResultRouter(settings.redis_url, self.keys, self.limit, settings.client_buffer_bytes)
+        self.leases = Leases(self.redis, self.keys, settings, self._lapsed)
         keyed = any(key.strip() for key in settings.api_keys.split(","))
         self.key_limit = settings.key_max_requests if keyed else 0
+        # Streams may be resumed: they keep a results log in Redis.
+        self.resumable = settings.resume_ttl > 0
         self._workers: tuple[float, list[Heartbeat]] = (0.0, [])
-        self._releases: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self.throughput = metrics.Throughput()
 
     async def start(self) -> None:
         await self.router.start()
+        self.leases.start()
 
     async def stop(self) -> None:
+        await self.leases.stop()
         await self.router.stop()
         await self.redis.aclose()
 
-    @asynccontextmanager
-    async def session(self, submits: list[Submit]) -> AsyncIterator[AsyncIterator[tuple[int, Result]]]:
-        """Admit the requests (or raise Refused) and yield their results as (choice, result)
-        up to each one's Done or Error. Leaving early (the client went away, another choice
-        failed) cancels every request still running, wherever it is; so does a client that
-        stops reading its stream (its mailbox overflows)."""
-        admission = Admission(submits, set(range(len(submits))))
-        async with self.router.open(admission.request_ids, lambda: self._too_slow(admission)) as mailbox:
-            await self._admit(submits)
-            metrics.ACTIVE.inc()
-            try:
-                yield self._results(mailbox, len(submits), admission.pending)
-            finally:
-                metrics.ACTIVE.dec()
-                with anyio.CancelScope(shield=True), contextlib.suppress(RedisError, OSError):
-                    await self._release(admission)
+    def soon(self, work: Awaitable[None]) -> None:
+        """Run `work` in the background (from a callback that cannot wait), keeping a reference to it."""
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
-    async def _admit(self, submits: list[Submit]) -> None:
+    # Admission.
+
+    async def admit(self, submits: list[Submit], meta: StreamMeta | None = None) -> None:
+        """Count the requests in and publish them (or raise Refused); with `meta`, a stream that may be
+        resumed: its logs and its lease are created in the same step."""
         payloads = self._payloads(submits)
         if self.key_limit and len(submits) > self.key_limit:
             raise Refused(ErrorCode.INVALID_VALUE, f"the request asks for {len(submits)} completions (prompts x n); "
                           f"a key may have at most {self.key_limit} queued or running", "n")
+        logged = meta is not None and self.resumable
+        log_ttl = int((self.settings.resume_ttl + self._wait_seconds(submits)) * 1000) if logged else 0
+        lease = self.leases.grace_ms if logged and self.leases.enabled else 0
+        header = encode(meta, self.limit) if logged else b""
         pipe = self.redis.pipeline(transaction=False)
         for submit in submits:
             self._stamp(pipe, submit.request_id, "received")
         # Plain EVAL: Redis caches the compiled script, and unlike a registered Script in a
         # pipeline it costs no SCRIPT EXISTS round trip per request.
-        pipe.eval(_ADMIT, 4, self.keys.queued, self.keys.queued_bytes, self.keys.requests,
-                  self.keys.in_flight(submits[0].tenant), self.settings.max_queue, self.settings.max_queue_bytes,
-                  REQUEST_STREAM_MAXLEN, self.key_limit, self._hold_seconds(submits), len(submits),
+        pipe.eval(_ADMIT, 6, self.keys.queued, self.keys.queued_bytes, self.keys.requests,
+                  self.keys.in_flight(submits[0].tenant), self.keys.log(""), self.keys.leases,
+                  self.settings.max_queue, self.settings.max_queue_bytes, REQUEST_STREAM_MAXLEN, self.key_limit,
+                  self._wait_seconds(submits) + RUN_BOUND_SECONDS, len(submits), log_ttl, lease, header,
                   *(s.request_id for s in submits), *payloads)
         # A failed trace stamp must not fail an admitted request: only the script's answer counts.
         *_, verdict = await pipe.execute(raise_on_error=False)
@@ -171,9 +179,10 @@ class Bus:
                           f"each prompt must encode to under {self.limit - SUBMIT_HEADROOM} bytes "
                           "(MAX_MESSAGE_BYTES less room for the scheduler's envelope)") from None
 
-    def _hold_seconds(self, submits: list[Submit]) -> float:
+    def _wait_seconds(self, submits: list[Submit]) -> float:
+        """The longest the requests may wait in the queue."""
         waits = [s.deadline - s.submitted_at for s in submits if s.deadline]
-        return max(waits, default=self.settings.queue_timeout) + RUN_BOUND_SECONDS
+        return max(waits, default=self.settings.queue_timeout)
 
     def _refusal(self, verdict: str) -> Refused:
         settings = self.settings
@@ -185,60 +194,117 @@ class Bus:
                            "wait: MAX_QUEUE_BYTES); retry later")
         return Refused(ErrorCode.QUEUE_FULL, f"the queue is full ({settings.max_queue} requests wait); retry later")
 
-    async def _results(self, mailbox: Mailbox, choices: int, pending: set[int]) -> AsyncIterator[tuple[int, Result]]:
-        started = time.monotonic()
-        next_index = [0] * choices
-        last_at = [started] * choices
-        while pending:
-            choice, result = await mailbox.get()
-            if choice not in pending:
-                continue
-            clock = time.monotonic()
-            if isinstance(result, Token):
-                # After a migration the new worker may repeat the last token the old one sent.
-                if result.index < next_index[choice]:
-                    continue
-                (metrics.ITL if next_index[choice] else metrics.TTFT).observe(clock - last_at[choice])
-                next_index[choice], last_at[choice] = result.index + 1, clock
-                metrics.TOKENS_OUT.inc()
-                self.throughput.add(1)
-            else:
-                pending.discard(choice)
-                metrics.E2E.observe(clock - started)
-                if isinstance(result, Done):
-                    metrics.TOKENS_IN.inc(result.prompt_tokens)
-                    metrics.QUEUE.observe(result.queue_s)
-            yield choice, result
+    # The results logs.
 
-    def _too_slow(self, admission: Admission) -> None:
-        """The client stopped reading: cancel its requests now, though its handler is stuck in `send`."""
-        metrics.SLOW_CLIENTS.inc()
-        task = asyncio.create_task(self._release_quietly(admission))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
+    async def stream_meta(self, head: str) -> StreamMeta | None:
+        """The header of the stream that `head` names, or None (no such stream, expired, or `head` is
+        another choice's request_id)."""
+        raw = await self.redis.lindex(self.keys.log(head), LOG_HEAD - 1)
+        if not raw:
+            return None
+        try:
+            return decode(raw, StreamMeta, self.limit)
+        except ProtocolError:
+            return None
 
-    async def _release_quietly(self, admission: Admission) -> None:
-        with contextlib.suppress(RedisError, OSError):
-            await self._release(admission)
-
-    async def _release(self, admission: Admission) -> None:
-        """Once per admission: cancel what still runs, stop counting it against its key, and stamp
-        how each request left the gateway."""
-        if admission.released:
-            return
-        admission.released = True
+    async def read_logs(self, request_ids: list[str]) -> list[list[bytes] | None]:
+        """Each request's logged results, oldest first; None for a log that is gone."""
         pipe = self.redis.pipeline(transaction=False)
-        for choice, submit in enumerate(admission.submits):
-            if choice in admission.pending:
-                pipe.xadd(self.keys.requests, {PAYLOAD: encode(Cancel(submit.request_id), self.limit)},
-                          maxlen=REQUEST_STREAM_MAXLEN, approximate=True)
-            self._stamp(pipe, submit.request_id, "cancelled" if choice in admission.pending else "delivered")
-        if self.key_limit:
-            pipe.zrem(self.keys.in_flight(admission.submits[0].tenant), *admission.request_ids)
+        for rid in request_ids:
+            pipe.lrange(self.keys.log(rid), 0, -1)
+        return [entries[LOG_HEAD:] if len(entries) >= LOG_HEAD else None for entries in await pipe.execute()]
+
+    # How streams end, for the gateway: delivered, left to their lease, or cancelled.
+
+    async def finish(self, request_ids: list[str], tenant: str, delivered: list[str], just_ended: bool) -> None:
+        """Every choice has ended: the stream's lease goes and its requests stop counting against their key.
+        A stream that `just_ended` keeps its logs RESUME_TTL from now (a choice that ended early would
+        otherwise go before the others); a replay of an old one leaves their expiry as it is."""
+        pipe = self.redis.pipeline(transaction=False)
+        for rid in delivered:
+            self._stamp(pipe, rid, "delivered")
+        self._settle(pipe, request_ids, tenant)
+        if self.resumable and just_ended:
+            for rid in request_ids:
+                pipe.pexpire(self.keys.log(rid), int(self.settings.resume_ttl * 1000))
         await pipe.execute()
 
-    def _stamp(self, pipe: Pipeline, request_id: str, hop: str) -> None:
-        stamp(pipe, self.keys, request_id, hop, "gateway", self.settings.trace_ttl)
+    async def detach(self, request_ids: list[str], pending: list[str], delivered: list[str]) -> None:
+        """The client left a stream that may be resumed: its lease lapses RESUME_GRACE from now unless a
+        client comes back (then the requests still run, and their results are logged meanwhile)."""
+        await self.leases.extend([request_ids[0]])
+        pipe = self.redis.pipeline(transaction=False)
+        for rid in delivered:
+            self._stamp(pipe, rid, "delivered")
+        for rid in pending:
+            self._stamp(pipe, rid, "detached", grace_s=self.settings.resume_grace)
+        await pipe.execute()
+        metrics.DETACHED.inc()
+
+    async def cancel(self, request_ids: list[str], tenant: str, pending: list[str], delivered: list[str],
+                     error: Error | None, logged: bool) -> None:
+        """Cancel the `pending` requests wherever they are. With `logged`, `error` goes to their channels and
+        logs first, so that a client reading or resuming the stream sees why it ended."""
+        pipe = self.redis.pipeline(transaction=False)
+        if logged and error is not None and pending:
+            payload = encode(error, self.limit)
+            publish_results(pipe, self.keys, self.settings, [(rid, payload, "") for rid in pending])
+        for rid in pending:
+            pipe.xadd(self.keys.requests, {PAYLOAD: encode(Cancel(rid), self.limit)},
+                      maxlen=REQUEST_STREAM_MAXLEN, approximate=True)
+            self._stamp(pipe, rid, "cancelled")
+        for rid in delivered:
+            self._stamp(pipe, rid, "delivered")
+        self._settle(pipe, request_ids, tenant)
+        await pipe.execute()
+
+    def _settle(self, pipe: Pipeline, request_ids: list[str], tenant: str) -> None:
+        """The stream needs nothing more: no lease, and its requests stop counting against their key."""
+        if self.leases.enabled:
+            pipe.zrem(self.keys.leases, request_ids[0])
+        if self.key_limit:
+            pipe.zrem(self.keys.in_flight(tenant), *request_ids)
+
+    async def _lapsed(self, heads: list[str]) -> None:
+        """Streams whose lease lapsed (claimed by this gateway): nobody came back within RESUME_GRACE, or their
+        gateway died. Their requests that have not ended are cancelled, with an error in their logs."""
+        metas = await asyncio.gather(*(self.stream_meta(head) for head in heads))
+        error = Error(ErrorCode.CANCELLED, f"the stream's client left and nobody resumed it within RESUME_GRACE "
+                      f"({self.settings.resume_grace:g} s), so the request was cancelled")
+        for head, meta in zip(heads, metas, strict=True):
+            request_ids = meta.request_ids if meta else [head]
+            pending = await self.unfinished(request_ids)
+            log.info("stream abandoned", extra={"request_id": head, "pending": len(pending)})
+            metrics.ABANDONED.inc()
+            await self.cancel(request_ids, meta.tenant if meta else "", pending, [], error, logged=True)
+
+    async def unfinished(self, request_ids: list[str]) -> list[str]:
+        """Those of `request_ids` whose log does not end with their end (a Done or an Error)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for rid in request_ids:
+            pipe.lindex(self.keys.log(rid), -1)
+        last = await pipe.execute()
+        return [rid for rid, entry in zip(request_ids, last, strict=True) if not self._ends(entry)]
+
+    def _ends(self, entry: bytes | None) -> bool:
+        """Whether a log's last entry is the end of its request (a Done or an Error)."""
+        if not entry:
+            return False
+        try:
+            return not isinstance(decode(entry, Result, self.limit), Token)
+        except ProtocolError:
+            return False
+
+    def _stamp(self, pipe: Pipeline, request_id: str, hop: str, **detail: str | int | float) -> None:
+        stamp(pipe, self.keys, request_id, hop, "gateway", self.settings.trace_ttl, **detail)
+
+    async def stamp(self, request_ids: list[str], hop: str, **detail: str | int | float) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        for rid in request_ids:
+            self._stamp(pipe, rid, hop, **detail)
+        await pipe.execute()
+
+    # What the watching routes read.
 
     async def trace(self, request_id: str) -> list[TraceEvent]:
         raw = await self.redis.lrange(self.keys.trace(request_id), 0, -1)

@@ -7,7 +7,7 @@ from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.errors import ApiError
-from gateway.routes import bus_of
+from gateway.submits import bus_of
 
 router = APIRouter()
 

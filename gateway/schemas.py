@@ -6,9 +6,11 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from common.errors import ErrorCode
 from common.protocol import ChatMessage, SamplingParams, Submit, now
+from gateway.errors import ApiError
 
 MAX_STOP_STRINGS = 4
 MAX_CHOICES = 16
@@ -18,6 +20,9 @@ MAX_PROMPTS = 256
 UNTIL_CONTEXT_ENDS = 2**31 - 1
 MAX_TOKENS = UNTIL_CONTEXT_ENDS
 MAX_TIMEOUT = 86400.0
+# OpenAI's limits on logit_bias: so many entries, each bias within plus or minus this.
+MAX_LOGIT_BIAS = 300
+LOGIT_BIAS_RANGE = 100.0
 
 
 def _encodable(value: str) -> str:
@@ -53,6 +58,9 @@ class SamplingFields(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     timeout: float | None = Field(None, gt=0, le=MAX_TIMEOUT, description="Seconds the request may wait in the "
                                   "queue.")
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS,
+                                                description="Token id (a string) to a bias added to its logit, "
+                                                "-100 to 100; -100 bans the token.")
 
     @model_validator(mode="after")
     def _check_sampling(self) -> SamplingFields:
@@ -65,6 +73,21 @@ class SamplingFields(BaseModel):
             raise ValueError("'stop' strings must not be empty")
         return self
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        """A key must spell a token id (the vocabulary bounds it later), a bias lie within OpenAI's range."""
+        for key, bias in (value or {}).items():
+            if not (key.isascii() and key.isdigit()) or len(key) > 12:
+                raise ValueError(f"keys must be token ids; got {key[:40]!r}")
+            if abs(bias) > LOGIT_BIAS_RANGE:
+                raise ValueError(f"biases must lie within -100 and 100; got {bias} for {key}")
+        return value
+
+    def token_biases(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, bias) pairs; keys spelling one id alike ("07", "7") keep the last bias."""
+        return tuple(sorted({int(key): bias for key, bias in (self.logit_bias or {}).items()}.items()))
+
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
@@ -76,7 +99,7 @@ class SamplingFields(BaseModel):
             top_k=max(self.top_k, 0),
             seed=None if self.seed is None else (self.seed + seed_offset) % 2**63, ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, stop=self.stop_strings(), presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, logprobs=logprobs)
+            frequency_penalty=self.frequency_penalty, logprobs=logprobs, logit_bias=self.token_biases())
 
     def submit(self, prompt: str | None = None, messages: list[ChatMessage] | None = None, seed_offset: int = 0,
                logprobs: int | None = None, queue_timeout: float = 0.0) -> Submit:
@@ -108,6 +131,8 @@ class GenerateRequest(SamplingFields):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    # vLLM's extension: usage so far on every chunk.
+    continuous_usage_stats: bool = False
 
 
 class OpenAIFields(SamplingFields):
@@ -127,6 +152,9 @@ class OpenAIFields(SamplingFields):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(OpenAIFields):
@@ -149,9 +177,37 @@ class CompletionRequest(OpenAIFields):
         return [self.prompt] if isinstance(self.prompt, str) else self.prompt
 
 
+class ContentPart(BaseModel):
+    """One part of a message's content. Only text reaches the model; other kinds are refused by name."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Text
+    text: Text | None = None
+    refusal: Text | None = None
+
+
+# The part kinds that carry text: a text part, and an assistant's refusal quoted back.
+TEXT_PARTS = {"text": "text", "refusal": "refusal"}
+
+
 class ChatRequestMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Text
+    content: Text | list[ContentPart]
+
+    def text(self, param: str) -> str:
+        """The content as one string: text parts joined by newlines (as vLLM does). `param` names the field."""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for j, part in enumerate(self.content):
+            field = TEXT_PARTS.get(part.type)
+            text = getattr(part, field) if field else None
+            if text is None:
+                raise ApiError.of(ErrorCode.INVALID_VALUE, f"content parts of type '{part.type}' are not "
+                                  "supported: the model takes text only", f"{param}[{j}]")
+            texts.append(text)
+        return "\n".join(texts)
 
 
 class ChatCompletionRequest(OpenAIFields):
@@ -177,7 +233,7 @@ class ChatCompletionRequest(OpenAIFields):
         return self
 
     def chat_messages(self) -> list[ChatMessage]:
-        return [ChatMessage(m.role, m.content) for m in self.messages]
+        return [ChatMessage(m.role, m.text(f"messages[{i}].content")) for i, m in enumerate(self.messages)]
 
 
 def new_request_id() -> str:

@@ -1,22 +1,42 @@
-"""Running a generation for an HTTP handler: admission, the first result before
-any header is sent (so queue-full and bad-prompt errors keep their HTTP status),
-and cancellation when the client goes away."""
+"""The results of one HTTP request, as its client is to receive them: `ResultStream`, one object
+per request (its choices), async-iterable and closeable. It owns its subscription, its position in
+every choice (so that nothing reaches the client twice, whether it comes from the results log, a
+repeat after a migration or the live channel), its metrics, and how it ends: delivered, left to
+its lease when the client goes away (to be resumed on any gateway within RESUME_GRACE), or
+cancelled. The seed's routes and the OpenAI routes format its results (gateway/formats.py); a
+resume (gateway/resume.py) opens the same object at the client's Last-Event-ID.
+
+`start` admits a request and waits for its first result before any header is sent, so that a
+request refused by the queue or the worker keeps its HTTP status; `collect` gathers whole answers."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable
-from contextlib import AsyncExitStack
+from contextlib import AbstractAsyncContextManager
 from typing import TypeVar
 
+import anyio
 from fastapi import Request
+from redis.exceptions import RedisError
 
-from common.errors import status_of
-from common.protocol import Error, Result, Submit
+from common.errors import ErrorCode, status_of
+from common.protocol import Done, Error, ProtocolError, Result, StreamMeta, Submit, Token, decode
+from gateway import metrics
 from gateway.bus import Bus, Refused
 from gateway.errors import ApiError, ClientGone, retry_headers
+from gateway.mailbox import Mailbox
+from gateway.sse import format_id
 
+log = logging.getLogger("gateway")
 T = TypeVar("T")
+
+# The delay an EventSource waits before it reconnects, at most (and half of RESUME_GRACE at most).
+RETRY_MS = 1000
 
 
 def api_error(error: Error) -> ApiError:
@@ -39,43 +59,299 @@ async def unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
     raise ClientGone
 
 
-async def _prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
-    yield first
-    async for item in rest:
-        yield item
+class ResultStream:
+    """Positions: for each choice, the position the client needs next (a token's index, or where the
+    choice's end falls: one past its last token). A result before that position has been delivered
+    already and is dropped; so is anything after a choice's end."""
+
+    def __init__(self, bus: Bus, request_ids: list[str], meta: StreamMeta | None = None,
+                 positions: list[int] | None = None, stop_on_error: bool = False, tenant: str = "") -> None:
+        self.bus = bus
+        self.request_ids = request_ids
+        # A stream with a results log may be resumed; without one (whole answers) it is cancelled when left.
+        self.meta = meta if bus.resumable else None
+        self.tenant = meta.tenant if meta else tenant
+        choices = len(request_ids)
+        self.resumed = positions is not None
+        self.next = [p + 1 for p in positions] if positions else [0] * choices
+        self.tokens = [0] * choices  # tokens seen of each choice, delivered or not: where its end falls
+        self.ended = [False] * choices
+        self.delivered_end = [False] * choices
+        self.dones: dict[int, Done] = {}
+        self.errors: dict[int, Error] = {}
+        # An OpenAI stream ends with its first error, which a resumed client may have had already.
+        self.stop_on_error = stop_on_error
+        self.stale_error = False
+        # Results accepted but not yet taken (those of the log, and the first one held back by `first`), each
+        # with the id of its event: the positions right after it.
+        self.backlog: deque[tuple[int, Result, str]] = deque()
+        self.current_id = self.event_id()
+        self.mailbox: Mailbox | None = None
+        self._subscription: AbstractAsyncContextManager[Mailbox] | None = None
+        self.holding = False  # this gateway extends the stream's lease while it is read here
+        self.closed = False
+        self.sent_all = False  # set by the formatter once its last event is on its way
+        self.retry_ms: int | None = None
+        if self.meta is not None and bus.leases.enabled:
+            self.retry_ms = max(min(RETRY_MS, bus.leases.grace_ms // 2), 1)
+        self.started = time.monotonic()
+        self.last_at = [self.started] * choices
+
+    @property
+    def head(self) -> str:
+        return self.request_ids[0]
+
+    @property
+    def all_ended(self) -> bool:
+        return all(self.ended)
+
+    @property
+    def over(self) -> bool:
+        """Nothing more to take: every choice has ended, or (OpenAI) one has failed."""
+        return self.all_ended or (self.stop_on_error and bool(self.errors))
+
+    def event_id(self) -> str:
+        """The id of the event of the result last taken: where the client stands once it has that event."""
+        if len(self.next) == 1:
+            return str(self.next[0] - 1)
+        return format_id([position - 1 for position in self.next])
+
+    def preamble(self) -> bytes:
+        """What goes before the next event: once, the delay an EventSource is to wait before it reconnects
+        (`retry:`), when the stream may be resumed; carried by a real event, since an event of its own,
+        without data, would reach some clients as an empty one."""
+        if self.retry_ms is None:
+            return b""
+        retry, self.retry_ms = self.retry_ms, None
+        return b"retry: %d\n" % retry
+
+    def is_first(self, choice: int, result: Result) -> bool:
+        """Whether `result` is the first thing the client gets of its choice."""
+        position = result.index if isinstance(result, Token) else self.next[choice] - 1
+        return position == 0
+
+    # Opening.
+
+    async def open(self) -> None:
+        """Subscribe to every choice's channel; returns once Redis has confirmed it."""
+        subscription = self.bus.router.open(self.request_ids, self._too_slow)
+        self.mailbox = await subscription.__aenter__()
+        self._subscription = subscription
+        metrics.ACTIVE.inc()
+
+    async def admit(self, submits: list[Submit]) -> None:
+        await self.bus.admit(submits, self.meta)
+        if self.meta is not None and self.bus.leases.enabled:
+            self.bus.leases.hold(self.request_ids)
+            self.holding = True
+
+    async def replay(self) -> None:
+        """Take what the logs hold past the client's positions (subscribed first: what the logs miss arrives
+        live). Raises ApiError 410 when a log no longer reaches back to where the client stands."""
+        logs = await self.bus.read_logs(self.request_ids)
+        for choice, entries in enumerate(logs):
+            results = [] if entries is None else self._decoded(choice, entries)
+            # A log that is gone (its choice ended over RESUME_TTL ago) cannot be replayed exactly either.
+            if entries is None or self.next[choice] < self._first_kept(results):
+                raise ApiError.of(ErrorCode.STREAM_TRUNCATED, f"choice {choice} of the stream no longer keeps the "
+                                  f"results after position {self.next[choice] - 1} (RESUME_LOG_BYTES bounds what a "
+                                  "stream keeps)", "Last-Event-ID")
+            for result in results:
+                if self._accept(choice, result):
+                    self.backlog.append((choice, result, self.event_id()))
+        if self.stop_on_error and self.stale_error:
+            self.backlog.clear()
+
+    def _decoded(self, choice: int, entries: list[bytes]) -> list[Result]:
+        results = []
+        for entry in entries:
+            try:
+                results.append(decode(entry, Result, self.bus.limit))
+            except ProtocolError as exc:
+                log.error("dropped a malformed logged result", extra={"request_id": self.request_ids[choice],
+                                                                      "error": str(exc)})
+        return results
+
+    @staticmethod
+    def _first_kept(results: list[Result]) -> int:
+        """The first position a trimmed log still holds."""
+        for result in results:
+            if isinstance(result, Token):
+                return result.index
+            if isinstance(result, Done):
+                return result.completion_tokens
+        return 0
+
+    async def hold(self) -> None:
+        """A resumed client reads the stream here: extend its lease now (if it has not lapsed) and from now on."""
+        if self.meta is not None and self.bus.leases.enabled and not self.all_ended:
+            await self.bus.leases.extend([self.head], self.request_ids)
+            self.bus.leases.hold(self.request_ids)
+            self.holding = True
+
+    async def first(self) -> tuple[int, Result]:
+        """The first result the client is to get, kept for the iteration."""
+        choice, result = await anext(self)
+        self.backlog.appendleft((choice, result, self.current_id))
+        return choice, result
+
+    # Iterating.
+
+    def __aiter__(self) -> ResultStream:
+        return self
+
+    async def __anext__(self) -> tuple[int, Result]:
+        while True:
+            if self.backlog:
+                choice, result, self.current_id = self.backlog.popleft()
+                return choice, result
+            if self.over or self.mailbox is None:
+                raise StopAsyncIteration
+            choice, result = await self.mailbox.get()
+            if self._accept(choice, result):
+                self.current_id = self.event_id()
+                return choice, result
+
+    def _accept(self, choice: int, result: Result) -> bool:
+        """Whether `result` is new to the client; moves its position either way."""
+        if choice >= len(self.ended) or self.ended[choice]:
+            return False
+        if isinstance(result, Token):
+            self.tokens[choice] = max(self.tokens[choice], result.index + 1)
+            if result.index < self.next[choice]:
+                return False  # delivered before this stream began, or repeated after a migration
+            self._count_token(choice, result)
+            self.next[choice] = result.index + 1
+            return True
+        self.ended[choice] = True
+        position = max(self.tokens[choice], result.completion_tokens if isinstance(result, Done) else 0)
+        fresh = position >= self.next[choice]
+        if fresh:
+            self.next[choice] = position + 1
+        self.delivered_end[choice] = fresh
+        if isinstance(result, Done):
+            self.dones[choice] = result
+        else:
+            self.errors[choice] = result
+            self.stale_error = self.stale_error or not fresh
+        if fresh:
+            self._count_end(result)
+        return fresh
+
+    def _count_token(self, choice: int, token: Token) -> None:
+        clock = time.monotonic()
+        if not self.resumed:
+            (metrics.ITL if token.index else metrics.TTFT).observe(clock - self.last_at[choice])
+        self.last_at[choice] = clock
+        metrics.TOKENS_OUT.inc()
+        self.bus.throughput.add(1)
+
+    def _count_end(self, result: Result) -> None:
+        if self.resumed:
+            return
+        metrics.E2E.observe(time.monotonic() - self.started)
+        if isinstance(result, Done):
+            metrics.TOKENS_IN.inc(result.prompt_tokens)
+            metrics.QUEUE.observe(result.queue_s)
+
+    # Ending.
+
+    async def close(self, client_left: bool | None = None) -> None:
+        """End the stream, once. Every choice ended: delivered. The formatter stopped early (an error): the
+        rest is cancelled. The client left (by default, when the formatter did not send its last event): a
+        stream that may be resumed is left to its lease; any other is cancelled."""
+        if client_left is None:
+            client_left = not self.sent_all
+        if self.all_ended:
+            await self._end(self.bus.finish(self.request_ids, self.tenant, self.delivered(), not self.resumed))
+        elif client_left and self.meta is not None and self.bus.leases.enabled:
+            await self._end(self.bus.detach(self.request_ids, self.pending(), self.delivered()))
+        else:
+            why = "its client left" if client_left else "the stream ended early (another choice failed)"
+            await self.cancel(Error(ErrorCode.CANCELLED, f"the request was cancelled: {why}"))
+
+    async def cancel(self, error: Error | None = None) -> None:
+        """Cancel whatever has not ended now, with `error` in its logs."""
+        await self._end(self.bus.cancel(self.request_ids, self.tenant, self.pending(), self.delivered(), error,
+                                        logged=self.meta is not None))
+
+    async def let_go(self) -> None:
+        """Stop reading, and leave the requests as they are (a resume that could not start)."""
+        await self._end(None)
+
+    async def _end(self, ending: Awaitable[None] | None) -> None:
+        if self.closed:
+            if ending is not None:
+                ending.close()  # a coroutine never awaited
+            return
+        self.closed = True
+        # Shielded: a client that leaves cancels the task that runs this, and the ending must still happen.
+        with anyio.CancelScope(shield=True):
+            if self.holding:
+                self.bus.leases.let_go(self.head)
+            if self._subscription is not None:
+                metrics.ACTIVE.dec()
+                with contextlib.suppress(RedisError, OSError):
+                    await self._subscription.__aexit__(None, None, None)
+            if ending is not None:
+                with contextlib.suppress(RedisError, OSError):
+                    await ending
+
+    def pending(self) -> list[str]:
+        return [rid for rid, ended in zip(self.request_ids, self.ended, strict=True) if not ended]
+
+    def delivered(self) -> list[str]:
+        return [rid for rid, done in zip(self.request_ids, self.delivered_end, strict=True) if done]
+
+    def _too_slow(self) -> None:
+        """The client stopped reading (its mailbox overflowed): cancel its requests now, though its handler is
+        stuck in `send`; the mailbox holds the client_too_slow error it gets if it ever reads again."""
+        metrics.SLOW_CLIENTS.inc()
+        error = Error(ErrorCode.CLIENT_TOO_SLOW, f"the client did not read its stream: over "
+                      f"{self.bus.settings.client_buffer_bytes} bytes of results waited for it, so the request "
+                      "was cancelled")
+        self.bus.soon(self.cancel(error))
 
 
-async def start(bus: Bus, request: Request, submits: list[Submit]) -> tuple[AsyncExitStack, AsyncIterator[
-        tuple[int, Result]]]:
-    """Admit `submits` and wait for their first result. Returns the open session (close it when
-    done; closing early cancels what still runs) and every result, the first included."""
-    stack = AsyncExitStack()
+async def start(bus: Bus, request: Request, submits: list[Submit], meta: StreamMeta | None = None,
+                stop_on_error: bool = False) -> ResultStream:
+    """Subscribe, admit `submits` and wait for their first result. Returns the open stream; a failure or a
+    client that leaves first cancels it (a client that never saw a header cannot resume)."""
+    stream = ResultStream(bus, [s.request_id for s in submits], meta, stop_on_error=stop_on_error,
+                          tenant=submits[0].tenant)
     try:
-        results = await stack.enter_async_context(bus.session(submits))
-        first = await unless_disconnected(request, anext(results))
+        await stream.open()
+        await stream.admit(submits)
+        _, first = await unless_disconnected(request, stream.first())
     except Refused as refused:
-        await stack.aclose()
+        await stream.let_go()
         raise ApiError.of(refused.code, refused.message, refused.param) from None
     except BaseException:
-        await stack.aclose()
+        await stream.cancel(Error(ErrorCode.CANCELLED, "the request was cancelled: its client left before its "
+                                  "first result"))
         raise
-    if isinstance(first[1], Error):
-        await stack.aclose()
-        raise api_error(first[1])
-    return stack, _prepend(first, results)
+    if isinstance(first, Error):
+        await stream.cancel(Error(ErrorCode.CANCELLED, "the request was cancelled: another choice failed"))
+        raise api_error(first)
+    return stream
 
 
-async def gather_results(results: AsyncIterator[tuple[int, Result]], choices: int) -> list[list[Result]]:
+async def collect(bus: Bus, request: Request, submits: list[Submit]) -> list[list[Result]]:
     """Every result of every choice, in order; the first error ends it as an ApiError."""
+    stream = await start(bus, request, submits)
+    try:
+        return await unless_disconnected(request, _gather(stream, len(submits)))
+    except ClientGone:
+        await stream.close(client_left=True)
+        raise
+    finally:
+        await stream.close(client_left=False)
+
+
+async def _gather(results: AsyncIterator[tuple[int, Result]], choices: int) -> list[list[Result]]:
     collected: list[list[Result]] = [[] for _ in range(choices)]
     async for choice, result in results:
         if isinstance(result, Error):
             raise api_error(result)
         collected[choice].append(result)
     return collected
-
-
-async def collect(bus: Bus, request: Request, submits: list[Submit]) -> list[list[Result]]:
-    stack, results = await start(bus, request, submits)
-    async with stack:
-        return await unless_disconnected(request, gather_results(results, len(submits)))

@@ -10,11 +10,20 @@ from llmserve.bench.run import add_arguments as add_bench_arguments
 from llmserve.bench.run import main as run_bench
 
 
+def _count(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be at least 1")
+    return number
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="llmserve", description="LLM serving over a Redis message bus.")
     commands = parser.add_subparsers(dest="command", required=True)
     up = commands.add_parser("up", help="start Redis (if needed), the gateway, a scheduler and workers")
     up.add_argument("--workers", type=int, default=1, help="number of worker processes (default 1)")
+    up.add_argument("--gateways", type=_count, default=1,
+                    help="number of gateway processes, on consecutive ports from GATEWAY_PORT (default 1)")
     status = commands.add_parser("status", help="workers, slots, queue and recent throughput, as a table")
     status.add_argument("--url", default=f"http://localhost:{os.environ.get('GATEWAY_PORT', '8000')}",
                         help="the gateway (default http://localhost:$GATEWAY_PORT)")
@@ -31,7 +40,7 @@ def main() -> None:
     if args.command == "up":
         from llmserve.launcher import up as run_stack
 
-        raise SystemExit(run_stack(args.workers))
+        raise SystemExit(run_stack(args.workers, args.gateways))
     if args.command == "status":
         from llmserve.status import status as show_status
 

@@ -137,23 +137,28 @@ class Stack:
 
     env: dict[str, str]
     processes: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
+    # Settings of one process on top of `env` (a second gateway's port), by its place in `processes`.
+    overrides: dict[int, dict[str, str]] = field(default_factory=dict)
 
-    def launch(self, name: str) -> subprocess.Popen[bytes]:
+    def launch(self, name: str, overrides: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         """A new process of service `name`; "redis" is the embedded redis-server of REDIS_URL."""
         if name == "redis":
             return spawn_redis(self.env["REDIS_URL"], self.env.get("REDIS_MAXMEMORY", Settings.redis_maxmemory))
-        return popen(command_path(name), env=self.env)
+        return popen(command_path(name), env={**self.env, **(overrides or {})})
 
-    def spawn(self, name: str) -> subprocess.Popen[bytes]:
-        process = self.launch(name)
+    def spawn(self, name: str, **overrides: str) -> subprocess.Popen[bytes]:
+        process = self.launch(name, overrides)
+        if overrides:
+            self.overrides[len(self.processes)] = overrides
         self.processes.append((name, process))
         return process
 
-    def start(self, workers: int) -> None:
+    def start(self, workers: int, gateways: int = 1) -> None:
         self.spawn("scheduler")
         for _ in range(workers):
             self.spawn("worker")
-        self.spawn("gateway")
+        for port in gateway_ports(self.env, gateways):
+            self.spawn("gateway", GATEWAY_PORT=str(port))
 
     def exited(self) -> list[str]:
         return [name for name, process in self.processes if process.poll() is not None]
@@ -164,6 +169,12 @@ class Stack:
         terminate(services, timeout)
         terminate([process for name, process in self.processes if name == "redis"], timeout)
         self.processes.clear()
+
+
+def gateway_ports(env: dict[str, str], gateways: int) -> list[int]:
+    """Consecutive ports from GATEWAY_PORT, one per gateway."""
+    first = int(env.get("GATEWAY_PORT") or Settings.gateway_port)
+    return [first + i for i in range(gateways)]
 
 
 def terminate(processes: list[subprocess.Popen[bytes]], timeout: float) -> None:
@@ -227,7 +238,7 @@ class Supervisor:
 
     def _restart(self, index: int, state: Restarts, now: float) -> None:
         name, _ = self.stack.processes[index]
-        process = self.stack.launch(name)
+        process = self.stack.launch(name, self.stack.overrides.get(index))
         self.stack.processes[index] = (name, process)
         state.due, state.started = None, now
         RESTARTS.labels(name).inc()
@@ -251,6 +262,8 @@ class PrivateStack:
     stack: Stack
     redis_url: str
     redis_process: subprocess.Popen[bytes]
+    # Every gateway's URL, `url` first.
+    urls: list[str] = field(default_factory=list)
 
     def stop_redis(self) -> None:
         self.redis_process.terminate()
@@ -260,26 +273,48 @@ class PrivateStack:
         self.redis_process = start_redis(self.redis_url)
 
 
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive free ports."""
+    for _ in range(100):
+        first = free_port()
+        if all(_port_free(first + i) for i in range(1, count)):
+            return first
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 @contextmanager
-def private_stack(workers: int, **settings: str) -> Iterator[PrivateStack]:
-    """Its own redis-server on a free port and every service, with `settings` on top of the
-    environment; yields once all workers serve."""
+def private_stack(workers: int, gateways: int = 1, **settings: str) -> Iterator[PrivateStack]:
+    """Its own redis-server on a free port and every service (`gateways` of them on consecutive
+    ports), with `settings` on top of the environment; yields once all workers serve."""
     redis_url = f"redis://127.0.0.1:{free_port()}/0"
-    port = free_port()
+    port = free_ports(gateways)
     stack = Stack({**os.environ, "REDIS_URL": redis_url, "GATEWAY_HOST": "127.0.0.1", "GATEWAY_PORT": str(port),
                    **settings})
-    running = PrivateStack(f"http://127.0.0.1:{port}", stack, redis_url, start_redis(redis_url))
+    urls = [f"http://127.0.0.1:{p}" for p in gateway_ports(stack.env, gateways)]
+    running = PrivateStack(urls[0], stack, redis_url, start_redis(redis_url), urls)
     try:
-        stack.start(workers)
-        wait_until(lambda: _serving(running.url, workers, stack), 300, f"{workers} worker(s)", interval=0.5)
+        stack.start(workers, gateways)
+        for url in urls:
+            wait_until(lambda url=url: _serving(url, workers, stack), 300, f"{workers} worker(s) behind {url}",
+                       interval=0.5)
         yield running
     finally:
         stack.stop()
         running.stop_redis()
 
 
-def up(workers: int) -> int:
-    """Redis if none answers, then every service; restarts any that exits until SIGINT or SIGTERM."""
+def up(workers: int, gateways: int = 1) -> int:
+    """Redis if none answers, then every service (`gateways` gateways on consecutive ports from
+    GATEWAY_PORT); restarts any that exits until SIGINT or SIGTERM."""
     try:
         settings = Settings.from_env()
     except SettingsError as exc:
@@ -300,13 +335,16 @@ def up(workers: int) -> int:
     try:
         if not redis_reachable(settings.redis_url):
             stack.processes.append(("redis", start_redis(settings.redis_url, settings.redis_maxmemory)))
-        stack.start(workers)
+        stack.start(workers, gateways)
         for name, _ in stack.processes:
             RESTARTS.labels(name)  # every service shows, at 0 until it restarts
         serve_metrics(settings.launcher_metrics_port, "launcher")
+        ports = gateway_ports({"GATEWAY_PORT": str(settings.gateway_port)}, gateways)
         print(f"llmserve: {workers} worker(s) starting (the model loads in ~20 s); try:\n"
               f"  curl -N -H 'Content-Type: application/json' -d '{{\"prompt\": \"The quick brown\"}}' "
               f"localhost:{settings.gateway_port}/generate_stream", flush=True)
+        if gateways > 1:
+            print(f"  gateways on ports {', '.join(map(str, ports))}", flush=True)
         supervisor = Supervisor(stack)
         while not stopping:
             supervisor.check()

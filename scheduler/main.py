@@ -38,6 +38,7 @@ from common.protocol import (
     encode,
     now,
 )
+from common.resultlog import publish_results
 from common.runtime import Backoff, decode_or_drop, parse_heartbeats, redis_trouble, service_id
 from common.settings import Settings
 from common.telemetry import serve_metrics, setup_logging
@@ -76,6 +77,9 @@ class Scheduler:
         self.queue = WaitingQueue(fair=self.settings.scheduling_policy == "fair")
         self.workers: dict[str, WorkerState] = {}
         self.next_refresh = 0.0
+        # A standby or a demoted leader shows no work: only the leader's gauges count.
+        for gauge in (metrics.WAITING, metrics.WORKERS, metrics.FREE_SLOTS):
+            gauge.set(0)
 
     def run(self) -> None:
         backoff = Backoff()
@@ -262,6 +266,7 @@ class Scheduler:
                 continue
             state = self.workers.get(worker_id) or self._joined(worker_id, beat.slots)
             state.draining = beat.draining
+            state.prefixes = frozenset(beat.prefixes)
             alive[worker_id] = state
         for worker_id in self.workers.keys() - alive.keys() - set(ids):
             self._lose(worker_id)
@@ -341,7 +346,8 @@ class Scheduler:
     def _fail(self, pipe: redis.client.Pipeline, request_id: str, code: ErrorCode, message: str) -> None:
         """End a request the scheduler holds with an error to its client."""
         log.warning("request failed", extra={"request_id": request_id, "code": code, "error": message})
-        pipe.publish(self.keys.results(request_id), encode(Error(code, message), self.limit))
+        # Published and logged like a worker's results, so that a client resuming the stream sees it too.
+        publish_results(pipe, self.keys, self.settings, [(request_id, encode(Error(code, message), self.limit), "")])
         pipe.delete(self.keys.progress(request_id))
         self._stamp(pipe, request_id, "failed", code=code)
         metrics.FAILED.labels(code).inc()
@@ -368,7 +374,7 @@ class Scheduler:
     def _dispatch(self) -> None:
         if not self.queue:
             return
-        batches = plan(self.queue, list(self.workers.values()), self.limit)
+        batches = plan(self.queue, list(self.workers.values()), self.limit, now())
         if not batches:
             return
         pipe = self.redis.pipeline(transaction=False)

@@ -4,20 +4,28 @@
 - Among the rest, the tenant with the fewest requests running goes next (ties: the oldest
   request first), so a flood from one tenant does not delay another's first token, and
   one tenant never holds every slot: a few stay free for a newcomer.
-- Each request goes to the worker with the most free slots; each worker's share is cut
-  into batches that fit one bus message.
+- Each request goes to the worker with the most free slots, unless a worker that caches the
+  request's prefix (by the text keys of common/prefix.py) has room and at least half as many
+  free slots: a cache hit is worth a little imbalance, never a wait while another worker has
+  room. Each worker's share is cut into batches that fit one bus message.
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
-from collections.abc import Iterator
+from collections import Counter, OrderedDict, deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
+from common.prefix import prefix_keys
 from common.protocol import Submit
 
 # Bytes of a Batch message around its sequences (tag, field names, batch id), with room to spare.
 BATCH_OVERHEAD = 256
+# A request's prefix counts as its worker's from dispatch on, for this many seconds, before the worker's
+# heartbeat can say so itself (its prefill may take a while): the rest of a burst sharing it follows.
+EXPECTED_TTL = 15.0
+EXPECTED_LIMIT = 1024  # keys remembered that way per worker, the oldest forgotten first
 
 
 @dataclass
@@ -36,6 +44,10 @@ class Queued:
     def tenant(self) -> str:
         return self.submit.tenant
 
+    @cached_property
+    def prefix_keys(self) -> tuple[int, ...]:
+        return tuple(prefix.key for prefix in prefix_keys(self.submit))
+
 
 @dataclass
 class WorkerState:
@@ -43,11 +55,27 @@ class WorkerState:
     slots: int
     assigned: dict[str, str] = field(default_factory=dict)  # request_id -> tenant, until the worker frees it
     draining: bool = False
+    prefixes: frozenset[int] = frozenset()  # text keys its heartbeat says its prefix cache holds
+    expected: OrderedDict[int, float] = field(default_factory=OrderedDict)  # key -> until: sent its way since
 
     @property
     def free(self) -> int:
         """Slots for new work: none while the worker drains before it stops."""
         return 0 if self.draining else self.slots - len(self.assigned)
+
+    def holds(self, keys: Sequence[int], clock: float) -> int:
+        """How deep into `keys` (a request's, from its start) this worker caches: its deepest key held counts."""
+        for depth in range(len(keys), 0, -1):
+            if keys[depth - 1] in self.prefixes or self.expected.get(keys[depth - 1], 0.0) > clock:
+                return depth
+        return 0
+
+    def expect(self, keys: Sequence[int], until: float) -> None:
+        for key in keys:
+            self.expected[key] = until
+            self.expected.move_to_end(key)
+        while len(self.expected) > EXPECTED_LIMIT:
+            self.expected.popitem(last=False)
 
 
 def fits_a_batch(size: int, limit: int) -> bool:
@@ -123,18 +151,22 @@ class WaitingQueue:
                 del self.tenants[tenant]
 
 
-def plan(queue: WaitingQueue, workers: list[WorkerState], limit: int) -> list[tuple[str, list[Queued]]]:
+def plan(queue: WaitingQueue, workers: list[WorkerState], limit: int,
+         clock: float = 0.0) -> list[tuple[str, list[Queued]]]:
     """Pop what the free slots take, as (worker_id, batch) pairs whose batches each fit `limit` bytes.
 
     Filling the emptiest worker first spreads a burst over all workers (each one is separate
-    compute), while each worker still receives its share in as few messages as fit."""
+    compute), while each worker still receives its share in as few messages as fit; a request
+    whose prefix a worker with room caches goes there instead (`choose`)."""
+    states = {w.worker_id: w for w in workers}
     free = {w.worker_id: w.free for w in workers if w.free > 0}
     running = Counter(tenant for w in workers for tenant in w.assigned.values()) if queue.fair else Counter()
     cap = tenant_cap(sum(w.slots for w in workers if not w.draining)) if queue.fair else sum(free.values())
     batches: dict[str, list[list[Queued]]] = {}
     sizes: dict[str, int] = {}
     while free and (item := queue.pop_next(running, cap)) is not None:
-        worker_id = max(free, key=free.__getitem__)
+        worker_id = choose(item.prefix_keys, free, states, clock)
+        states[worker_id].expect(item.prefix_keys, clock + EXPECTED_TTL)
         chunks = batches.setdefault(worker_id, [[]])
         if chunks[-1] and sizes[worker_id] + item.size > limit:
             chunks.append([])
@@ -147,3 +179,13 @@ def plan(queue: WaitingQueue, workers: list[WorkerState], limit: int) -> list[tu
         if not free[worker_id]:
             del free[worker_id]
     return [(worker_id, chunk) for worker_id, chunks in batches.items() for chunk in chunks]
+
+
+def choose(keys: Sequence[int], free: dict[str, int], states: dict[str, WorkerState], clock: float) -> str:
+    """The worker (among those with `free` slots) for a request with these prefix keys: the one caching the
+    deepest of them if it has at least half the free slots of the emptiest worker, else the emptiest."""
+    emptiest = max(free, key=free.__getitem__)
+    if not keys:
+        return emptiest
+    depth, room, holder = max((states[w].holds(keys, clock), free[w], w) for w in free)
+    return holder if depth and 2 * room >= free[emptiest] else emptiest

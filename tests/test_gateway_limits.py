@@ -33,6 +33,8 @@ MAX_HEADER_BYTES = 8192
 LONG = {"model": "sim", "messages": [{"role": "user", "content": "go on"}], "max_tokens": 8000,
         "n": KEY_MAX_REQUESTS, "stream": True}
 SHORT = {"prompt": "hello", "max_tokens": 2}
+# A stream whose client leaves runs on this long, in case it comes back (tests/test_resume.py).
+RESUME_GRACE = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +42,7 @@ def limits() -> Iterator[PrivateStack]:
     # Steps of 20 ms: a long request streams for minutes, and a slow client overflows within seconds.
     settings = {"ENGINE": "sim", "SIM_STEP_MS": "20", "SIM_STEP_PER_SEQ_MS": "0", "WORKER_SLOTS": "16",
                 "API_KEYS": "alpha,beta", "KEY_MAX_REQUESTS": str(KEY_MAX_REQUESTS), "CLIENT_BUFFER_BYTES": "16384",
+                "RESUME_GRACE": str(RESUME_GRACE),
                 "MAX_HEADER_BYTES": str(MAX_HEADER_BYTES), "HEADER_TIMEOUT": str(HEADER_TIMEOUT),
                 "BODY_TIMEOUT": str(BODY_TIMEOUT), "NAMESPACE": "limits", "HEARTBEAT_INTERVAL": "0.3",
                 "WORKER_TTL": "2", "LOG_LEVEL": "WARNING", "SCHEDULER_METRICS_PORT": str(free_port()),
@@ -207,8 +210,9 @@ def test_a_key_over_its_limit_gets_429_while_another_key_is_served(limits: Priva
             assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
             assert refused.json()["error"]["code"] == "key_limit"
             assert client.post("/generate", json=SHORT, headers=BETA).status_code == 200
-        # Leaving the stream ends its requests, and with them their count against the key.
-        wait_for(lambda: in_flight(limits, "alpha") == 0, 5, "alpha's requests to stop counting")
+        # Leaving the stream ends its requests RESUME_GRACE later (unless it is resumed), and with them their
+        # count against the key.
+        wait_for(lambda: in_flight(limits, "alpha") == 0, RESUME_GRACE + 5, "alpha's requests to stop counting")
         assert client.post("/generate", json=SHORT, headers=ALPHA).status_code == 200
         too_many = client.post("/v1/chat/completions", json={**LONG, "n": KEY_MAX_REQUESTS + 1, "stream": False},
                                headers=BETA)

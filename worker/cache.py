@@ -1,17 +1,29 @@
-"""A KV cache whose layers keep room after their tokens.
+"""KV caches for the engine: rows in one padded tensor with room (any model), or rows side by side without
+padding (the int8 Llama, whose attention reads each row's own keys).
 
 transformers' `DynamicLayer` concatenates each new token onto its keys and values, which copies the
 whole cache of every layer at every decode step: at 16 rows that is several milliseconds at 100 tokens,
-and it grows with the context until it costs more than the step's arithmetic. Here a layer's keys and
-values are views into buffers with spare columns, so a step writes one column in place; a buffer is
-replaced by a larger one only every `ROOM` tokens. The engine may still index, pad or slice `keys` and
-`values` (a finished row leaving, newcomers joining): whatever tensor it sets, room is read off its
-strides, and a tensor without room is simply copied into a roomier buffer on the next update.
+and it grows with the context until it costs more than the step's arithmetic.
+
+`RoomyLayer`: a layer's keys and values are views into buffers with spare columns, so a step writes one
+column in place; a buffer is replaced by a larger one only every `ROOM` tokens. The engine may still index,
+pad or slice `keys` and `values` (a finished row leaving, newcomers joining): whatever tensor it sets, room
+is read off its strides, and a tensor without room is simply copied into a roomier buffer on the next update.
+Rows of a batch are left-padded to the longest: a 2,000-token newcomer pads every other row to 2,000.
+
+`RaggedLayer`: each row has buffers of its own with room, and its own length; a forward writes every row's
+new tokens with one call, and attention gets each row's own keys and values (views, no padding). Rows join
+and leave without any copy; a row that outgrows its room is copied alone, into twice the room.
+
+The functions at the end are what the engine does to a cache of either kind.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedConfig
 from transformers.cache_utils import DynamicLayer
 
@@ -50,8 +62,185 @@ def _in_buffer(tensor: torch.Tensor) -> torch.Tensor:
     return buffer[:, :, :length]
 
 
-def new_cache(config: PreTrainedConfig) -> DynamicCache:
-    """transformers' cache for `config`, its plain full-attention layers replaced by roomy ones."""
+def _pad_left(tensor: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
+    missing = width - tensor.shape[dim]
+    if missing == 0:
+        return tensor
+    pad = [0, 0] * (tensor.dim() - dim - 1) + [missing, 0]
+    return F.pad(tensor, pad)
+
+
+@dataclass
+class Rows:
+    """The rows of a ragged cache, shared by its layers: row i holds `lengths[i]` tokens. A forward's tokens
+    are committed to `lengths` once its last layer has written them. `capacity`: the tokens a new row's
+    buffers have room for (a prefill knows its prompts' lengths; more room is added when needed)."""
+
+    layers: int
+    lengths: list[int] = field(default_factory=list)
+    capacity: int = ROOM
+    written: int = 0  # layers that have written the current forward's tokens
+
+    def keep(self, rows: list[int]) -> None:
+        self.lengths = [self.lengths[r] for r in rows]
+
+
+class RaggedLayer(DynamicLayer):
+    def __init__(self, rows: Rows) -> None:
+        super().__init__()
+        self.rows = rows
+        # Row r's keys and values: buffers [1, heads, capacity, head_dim], of which lengths[r] tokens are real.
+        self.key_buffers: list[torch.Tensor] = []
+        self.value_buffers: list[torch.Tensor] = []
+
+    def get_seq_length(self) -> int:
+        return max(self.rows.lengths, default=0)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object,
+               **kwargs: object) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Write each row's new tokens after its own; returns each row's keys and values, [1, heads, n, dim]."""
+        rows, added = self.rows, key_states.shape[2]
+        if not rows.lengths:  # a fresh cache: one row per batch row
+            rows.lengths = [0] * key_states.shape[0]
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if not self.key_buffers:
+            room = max(rows.capacity, added + ROOM)
+            self.key_buffers = [key_states.new_empty((1, *key_states.shape[1:2], room, key_states.shape[3]))
+                                for _ in rows.lengths]
+            self.value_buffers = [buffer.new_empty(buffer.shape) for buffer in self.key_buffers]
+        for row, length in enumerate(rows.lengths):
+            if length + added > self.key_buffers[row].shape[2]:
+                self._grow(row, length, length + added)
+        # One call writes every row: rows hold different lengths, so no single tensor op can.
+        torch._foreach_copy_([b.narrow(2, n, added) for b, n in zip(self.key_buffers, rows.lengths, strict=True)],
+                             list(key_states.split(1)))
+        torch._foreach_copy_([b.narrow(2, n, added) for b, n in zip(self.value_buffers, rows.lengths, strict=True)],
+                             list(value_states.split(1)))
+        lengths = [length + added for length in rows.lengths]
+        rows.written += 1
+        if rows.written == rows.layers:
+            rows.lengths, rows.written = lengths, 0
+        return ([b.narrow(2, 0, n) for b, n in zip(self.key_buffers, lengths, strict=True)],
+                [b.narrow(2, 0, n) for b, n in zip(self.value_buffers, lengths, strict=True)])
+
+    def _grow(self, row: int, length: int, needed: int) -> None:
+        """A larger buffer for one row (twice the room: a row is copied a few times over its life, at most)."""
+        for buffers in (self.key_buffers, self.value_buffers):
+            old = buffers[row]
+            buffers[row] = old.new_empty((*old.shape[:2], max(needed + ROOM, 2 * old.shape[2]), old.shape[3]))
+            buffers[row][:, :, :length] = old[:, :, :length]
+
+    def row(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        length = self.rows.lengths[row]
+        return self.key_buffers[row].narrow(2, 0, length), self.value_buffers[row].narrow(2, 0, length)
+
+
+def new_cache(config: PreTrainedConfig, ragged: bool = False, capacity: int = 0) -> DynamicCache:
+    """transformers' cache for `config`, its plain full-attention layers replaced by roomy ones, or all of
+    them by ragged ones (only for models whose attention takes rows one by one: worker/quant.py), whose rows
+    get room for `capacity` tokens at first."""
     cache = DynamicCache(config=config)
-    cache.layers = [RoomyLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    if ragged:
+        rows = Rows(len(cache.layers), capacity=max(capacity, ROOM))
+        cache.layers = [RaggedLayer(rows) for _ in cache.layers]
+    else:
+        cache.layers = [RoomyLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
+def is_ragged(cache: DynamicCache) -> bool:
+    return isinstance(cache.layers[0], RaggedLayer)
+
+
+def all_plain(cache: DynamicCache) -> bool:
+    """Whether every layer keeps plain keys and values of all tokens (no sliding window, no other state):
+    then a block's keys and values can be cut out and put back (the prefix cache)."""
+    return all(type(layer) in (RoomyLayer, RaggedLayer) for layer in cache.layers)
+
+
+def select_rows(cache: DynamicCache, rows: list[int]) -> None:
+    """Keep these rows, in this order."""
+    if is_ragged(cache):
+        cache.layers[0].rows.keep(rows)
+        for layer in cache.layers:
+            layer.key_buffers = [layer.key_buffers[r] for r in rows]
+            layer.value_buffers = [layer.value_buffers[r] for r in rows]
+        return
+    index = torch.tensor(rows, dtype=torch.long, device=cache.layers[0].keys.device)
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[index], layer.values[index]
+
+
+def trim_left(cache: DynamicCache, start: int) -> None:
+    """Drop the first `start` columns of every row: padding (a ragged cache has none)."""
+    if not is_ragged(cache):
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, start:], layer.values[:, :, start:]
+
+
+def join(cache: DynamicCache, other: DynamicCache, width: int) -> None:
+    """`other`'s rows after `cache`'s (a padded cache: both left-padded to `width` columns; a ragged one takes
+    over `other`'s buffers, which `other` must no longer use)."""
+    if not is_ragged(cache):
+        for mine, theirs in zip(cache.layers, other.layers, strict=True):
+            mine.keys = torch.cat([_pad_left(mine.keys, width, dim=2), _pad_left(theirs.keys, width, dim=2)])
+            mine.values = torch.cat([_pad_left(mine.values, width, dim=2), _pad_left(theirs.values, width, dim=2)])
+        return
+    cache.layers[0].rows.lengths += other.layers[0].rows.lengths
+    for mine, theirs in zip(cache.layers, other.layers, strict=True):
+        mine.key_buffers += theirs.key_buffers
+        mine.value_buffers += theirs.value_buffers
+        if not mine.is_initialized:
+            mine.lazy_initialization(theirs.key_buffers[0], theirs.value_buffers[0])
+
+
+def row_cache(config: PreTrainedConfig, cache: DynamicCache, row: int, length: int) -> DynamicCache:
+    """A cache of row `row`'s first `length` tokens alone (the padding after a prompt's end cut off): the
+    very buffers of a ragged cache, which the caller must no longer use; a copy of a padded one."""
+    if not is_ragged(cache):
+        return filled_cache(config, [(layer.keys[row:row + 1, :, :length], layer.values[row:row + 1, :, :length])
+                                     for layer in cache.layers])
+    alone = new_cache(config, ragged=True)
+    alone.layers[0].rows.lengths = [length]
+    for mine, theirs in zip(alone.layers, cache.layers, strict=True):
+        mine.key_buffers, mine.value_buffers = [theirs.key_buffers[row]], [theirs.value_buffers[row]]
+        mine.lazy_initialization(theirs.key_buffers[row], theirs.value_buffers[row])
+    return alone
+
+
+def block(cache: DynamicCache, row: int, start: int, stop: int) -> torch.Tensor:
+    """Columns start..stop of one row, every layer: [layers, 2 (keys, values), heads, stop - start, dim], a copy."""
+    pairs = [layer.row(row) if isinstance(layer, RaggedLayer) else (layer.keys[row:row + 1], layer.values[row:row + 1])
+             for layer in cache.layers]
+    return torch.stack([torch.stack((keys[0, :, start:stop], values[0, :, start:stop])) for keys, values in pairs])
+
+
+def filled_cache(config: PreTrainedConfig, keys_values: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    """A roomy cache holding these (keys, values) per layer, copied into buffers with room."""
+    cache = new_cache(config)
+    for layer, (keys, values) in zip(cache.layers, keys_values, strict=True):
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = _in_buffer(keys), _in_buffer(values)
+    return cache
+
+
+def stacked_cache(config: PreTrainedConfig, rows: list[torch.Tensor], ragged: bool,
+                  capacity: int = 0) -> DynamicCache:
+    """A cache whose row r holds `rows[r]`: [layers, 2 (keys, values), heads, tokens, head_dim], every row as
+    long, with room for `capacity` tokens per row; copied once, straight into buffers with room."""
+    cache = new_cache(config, ragged, capacity)
+    _, _, heads, length, dim = rows[0].shape
+    room = max(capacity, length + ROOM)
+    if ragged:
+        cache.layers[0].rows.lengths = [length] * len(rows)
+    for index, layer in enumerate(cache.layers):
+        keys, values = (rows[0].new_empty((len(rows), heads, room, dim)) for _ in range(2))
+        for row, tensor in enumerate(rows):
+            keys[row, :, :length], values[row, :, :length] = tensor[index, 0], tensor[index, 1]
+        layer.lazy_initialization(keys, values)
+        if ragged:  # each row its own buffer: a view of one row of the stack
+            layer.key_buffers, layer.value_buffers = list(keys.split(1)), list(values.split(1))
+        else:
+            layer.keys, layer.values = keys[:, :, :length], values[:, :, :length]
     return cache

@@ -1,11 +1,21 @@
-"""Iteration-level continuous batching over a Hugging Face causal LM.
+"""Iteration-level continuous batching over a Hugging Face causal LM, with a prefix cache and chunked prefill.
 
-All running sequences share one left-padded batch whose KV cache lives across
-steps: a step feeds each sequence only its newest token. Newcomers are
-prefilled together, then their cache is padded and concatenated onto the
-running one; finished sequences are index-selected out at once. Explicit
-position ids (`cumsum(mask) - 1`) keep every row's positions independent of
-its padding, so a greedy completion does not depend on its batch-mates.
+Prefill. Every prompt is prefilled in blocks of `block` tokens at fixed boundaries from its first token (its
+last block padded to full size after its end, where causal attention keeps the padding out of the real
+tokens), each block by one forward over the keys and values of the blocks before it. Sequences admitted
+together at one depth form a group that advances together, a chunk of blocks per prefill step, so a long
+prompt arrives across steps interleaved with decode steps of the running batch. Each forward has the shape
+[rows, block] over a cache without padding, and the kernels compute its rows independently: a block's keys
+and values depend only on the tokens up to its end. So a prompt whose leading blocks are in the prefix cache
+(worker/prefix.py) takes them from there and computes the rest exactly as it would have, and neither the
+cache, nor the chunking, nor group-mates change a bit of its output.
+
+Decode. A finished prefill joins the running batch, whose KV cache lives across steps, each step feeding
+every sequence only its newest token; finished sequences leave at once. For the int8 Llama (the CPU default)
+the cache holds rows side by side without padding (worker/cache.py): a newcomer costs one copy of its own
+tokens, a leaver none. Other models keep one left-padded batch: the newcomer's cache is padded and
+concatenated onto the running one. Explicit position ids (`cumsum(mask) - 1`) keep every row's positions
+independent of its padding, so a greedy completion does not depend on its batch-mates.
 """
 
 from __future__ import annotations
@@ -19,10 +29,14 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from common.protocol import SamplingParams, TokenLogprob
-from worker.cache import new_cache
+from common.settings import Settings
+from worker import metrics
+from worker.cache import ROOM, all_plain, block, join, new_cache, row_cache, select_rows, stacked_cache, trim_left
 from worker.core import PromptTooLong, StepKind, StepOutput, StepResult
 from worker.detokenizer import Detokenizer
 from worker.model import LoadedModel
+from worker.prefix import HeldPrefixes, PrefixStore, block_digests
+from worker.quant import takes_rows_alone
 from worker.sampling import Logprobs, new_generator, sample
 from worker.stops import StopMatcher
 
@@ -37,6 +51,7 @@ class Sequence:
     detokenizer: Detokenizer
     generator: torch.Generator | None
     stops: StopMatcher | None
+    digests: list[bytes] = field(default_factory=list)  # of the prompt's whole blocks, for the prefix cache
     output_ids: list[int] = field(default_factory=list)
 
     def watches_stops(self) -> bool:
@@ -58,8 +73,7 @@ class _Batch:
     def select(self, rows: list[int]) -> None:
         index = torch.tensor(rows, device=self.mask.device)
         self.sequences = [self.sequences[r] for r in rows]
-        for layer in self.cache.layers:
-            layer.keys, layer.values = layer.keys[index], layer.values[index]
+        select_rows(self.cache, rows)
         self.mask, self.last_tokens, self.positions = self.mask[index], self.last_tokens[index], self.positions[index]
         self._trim_padding()
 
@@ -69,16 +83,13 @@ class _Batch:
         start = int(used[0]) if len(used) else self.mask.shape[1]
         if start:
             self.mask = self.mask[:, start:]
-            for layer in self.cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, start:], layer.values[:, :, start:]
+            trim_left(self.cache, start)
 
     def extend(self, other: _Batch) -> None:
         width = max(self.mask.shape[1], other.mask.shape[1])
         self.sequences += other.sequences
         self.mask = torch.cat([_pad_left(self.mask, width), _pad_left(other.mask, width)])
-        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
-            mine.keys = torch.cat([_pad_left(mine.keys, width, dim=2), _pad_left(theirs.keys, width, dim=2)])
-            mine.values = torch.cat([_pad_left(mine.values, width, dim=2), _pad_left(theirs.values, width, dim=2)])
+        join(self.cache, other.cache, width)
         self.last_tokens = torch.cat([self.last_tokens, other.last_tokens])
         self.positions = torch.cat([self.positions, other.positions])
 
@@ -100,15 +111,69 @@ def _pad_left(tensor: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
     return F.pad(tensor, pad)
 
 
+@dataclass
+class _Prefill:
+    """Sequences whose prompts advance together: every row holds `depth` tokens in `cache`, so a block forward
+    needs no padding. Until its first forward the group has no cache; `restored` then holds each row's blocks
+    from the prefix cache (when `depth` > 0), and newcomers at the same depth may still join it."""
+
+    sequences: list[Sequence]
+    depth: int
+    order: int  # when the group formed: the lowest is the oldest
+    restored: list[torch.Tensor] = field(default_factory=list)
+    cache: DynamicCache | None = None
+
+    def remaining(self, block: int) -> int:
+        """Blocks until its longest prompt is done."""
+        return max(-(-(len(s.prompt_ids) - self.depth) // block) for s in self.sequences)
+
+    def select(self, rows: list[int]) -> None:
+        self.sequences = [self.sequences[r] for r in rows]
+        self.restored = [self.restored[r] for r in rows] if self.restored else []
+        if not rows:
+            self.cache = None
+        elif self.cache is not None:
+            select_rows(self.cache, rows)
+
+
+# A block's forward is the least a prefill step can add between two decode steps. On a CPU, attention deep
+# in a long prompt dominates it (16 tokens after 2,000 cost about one decode step of 16 rows); a GPU needs
+# many tokens per forward to be busy.
+DEFAULT_BLOCK_CPU = 16
+DEFAULT_BLOCK_CUDA = 256
+DEFAULT_CHUNK = Settings.prefill_chunk
+DEFAULT_PREFIX_BYTES = Settings.prefix_cache_bytes
+
+
 class Engine:
-    def __init__(self, loaded: LoadedModel, slots: int, static: bool = False) -> None:
+    def __init__(self, loaded: LoadedModel, slots: int, static: bool = False, block: int = 0,
+                 chunk: int = DEFAULT_CHUNK, prefix_bytes: int = DEFAULT_PREFIX_BYTES) -> None:
+        """`block`: tokens per prefill forward and per cached block (0: by device); `chunk`: tokens of each
+        prompt one prefill step computes, in whole blocks (0: whole prompts); `prefix_bytes`: the prefix
+        cache's bound (0: no cache)."""
         self.loaded = loaded
         self.slots = slots
         # Static batching (for comparison only): a batch is admitted when the last one has wholly finished.
         self.static = static
+        self.block = block or (DEFAULT_BLOCK_CUDA if loaded.device.type == "cuda" else DEFAULT_BLOCK_CPU)
+        self.chunk_blocks = max(1, chunk // self.block) if chunk else 0
+        # The int8 Llama's attention takes rows one by one: its cache holds them side by side, unpadded.
+        self.ragged = takes_rows_alone(loaded.model)
+        # Blocks can be padded, cut out and put back only where every cache layer holds plain keys and values
+        # of every token; otherwise (sliding windows...) a group is one row and its last block unpadded.
+        self.exact_blocks = all_plain(self._new_cache())
+        self.store: PrefixStore[torch.Tensor] | None = (
+            PrefixStore(prefix_bytes) if prefix_bytes and self.exact_blocks else None)
+        self.routing = HeldPrefixes(self.store, self.block) if self.store is not None else None
         self.waiting: deque[Sequence] = deque()
+        self.prefills: list[_Prefill] = []
         self.batch: _Batch | None = None
         self.last_kind: StepKind = "decode"
+        self.groups_formed = 0
+        self.prefill_turns = 0
+
+    def _new_cache(self) -> DynamicCache:
+        return new_cache(self.loaded.model.config, self.ragged)
 
     @property
     def running(self) -> list[Sequence]:
@@ -116,20 +181,29 @@ class Engine:
         return batch.sequences if batch else []
 
     @property
+    def prefilling(self) -> list[Sequence]:
+        return [s for group in list(self.prefills) for s in group.sequences]
+
+    @property
     def running_count(self) -> int:
         return len(self.running)
 
     @property
     def waiting_count(self) -> int:
-        return len(self.waiting)
+        """Admitted and not yet producing tokens: queued for a prefill, or in one."""
+        return len(self.waiting) + len(self.prefilling)
 
     @property
     def cache_positions(self) -> int:
-        """KV-cache positions held, padding included (rows x width)."""
-        return self.batch.mask.numel() if self.batch else 0
+        """KV-cache positions held (a padded cache: padding included, rows x width), prefills included."""
+        held = sum(len(group.sequences) * group.depth for group in list(self.prefills))
+        batch = self.batch
+        if batch is None:
+            return held
+        return held + (int(batch.mask.sum()) if self.ragged else batch.mask.numel())
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.prefills or self.running)
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
             resume: list[int] | None = None) -> None:
@@ -142,7 +216,8 @@ class Engine:
             raise PromptTooLong("the prompt is empty after tokenisation")
         sequence = Sequence(request_id, prompt_ids, params, Detokenizer(self.loaded.tokenizer, prompt_ids),
                             new_generator(params, self.loaded.device),
-                            StopMatcher(params.stop) if any(params.stop) else None)
+                            StopMatcher(params.stop) if any(params.stop) else None,
+                            block_digests(prompt_ids, self.block) if self.store is not None else [])
         for token in resume or []:
             # Replaying the delivered tokens leaves any held-back text (a partial character, the start
             # of a stop string) exactly as the lost worker had it.
@@ -157,6 +232,14 @@ class Engine:
             if sequence.request_id == request_id:
                 self.waiting.remove(sequence)
                 return True
+        for group in self.prefills:
+            rows = [i for i, s in enumerate(group.sequences) if s.request_id != request_id]
+            if len(rows) < len(group.sequences):
+                if rows:
+                    group.select(rows)
+                else:
+                    self.prefills.remove(group)
+                return True
         rows = [i for i, s in enumerate(self.running) if s.request_id != request_id]
         if self.batch and len(rows) < len(self.batch.sequences):
             self._keep(rows)
@@ -165,62 +248,167 @@ class Engine:
 
     def abort_all(self) -> list[str]:
         """Forget every sequence (after a failed step); returns their ids so that their clients can be told."""
-        dropped = [s.request_id for s in [*self.waiting, *self.running]]
+        dropped = [s.request_id for s in [*self.waiting, *self.prefilling, *self.running]]
         self.waiting.clear()
+        self.prefills = []
         self.batch = None
         return dropped
 
     @torch.inference_mode()
     def step(self) -> StepResult:
-        """One forward: a prefill of the newcomers that fit, else a decode of the running batch.
-        A prefill is always followed by a decode, so a stream of arrivals cannot stall running work."""
-        room = self.slots - len(self.running)
-        if self.waiting and room > 0 and self._admits():
-            joiners = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
+        """One step: a prefill step (a chunk of one group's prompts; those that end in it join the running batch
+        with their first token), else a decode of the running batch. A prefill step is always followed by a
+        decode, so neither arrivals nor long prompts hold running sequences up for more than a chunk."""
+        if self._prefill_turn():
             self.last_kind = "prefill"
-            return StepResult("prefill", self._prefill(joiners))
+            return StepResult("prefill", self._prefill_step())
         self.last_kind = "decode"
         return StepResult("decode", self._decode()) if self.batch else StepResult("idle")
 
-    def _admits(self) -> bool:
-        if self.static:
-            return not self.running
-        return not (self.last_kind == "prefill" and self.running)
+    def _prefill_turn(self) -> bool:
+        if self.batch is not None and self.last_kind == "prefill":
+            return False
+        self._start_prefills()
+        return bool(self.prefills)
 
-    def _prefill(self, joiners: list[Sequence]) -> list[StepOutput]:
-        fresh = [s for s in joiners if not s.output_ids]
-        parts = [self._prompt_batch(fresh)] if fresh else []
-        parts += [self._replayed(s) for s in joiners if s.output_ids]
-        new, logits = parts[0][0], torch.cat([part_logits for _, part_logits in parts])
-        for other, _ in parts[1:]:
+    def _start_prefills(self) -> None:
+        """Move waiting sequences, as slots allow, into prefill groups at the depth of their cached prefix.
+        One whose next block another prefill is computing waits for it, to take it from the cache then."""
+        if self.static and (self.batch or self.prefills):
+            return
+        room = self.slots - len(self.running) - len(self.prefilling)
+        computing = {digest for group in self.prefills for s in group.sequences
+                     for digest in s.digests[group.depth // self.block:]}
+        held: list[Sequence] = []
+        while self.waiting and room > 0:
+            sequence = self.waiting.popleft()
+            cacheable = min(len(sequence.digests), (len(sequence.prompt_ids) - 1) // self.block)
+            cached = self.store.longest(sequence.digests[:cacheable]) if self.store is not None else 0
+            if cached < cacheable and sequence.digests[cached] in computing:
+                held.append(sequence)
+                continue
+            computing.update(sequence.digests[cached:])
+            self._join_group(sequence, cached)
+            room -= 1
+        self.waiting.extendleft(reversed(held))
+
+    def _join_group(self, sequence: Sequence, cached: int) -> None:
+        depth = cached * self.block
+        if self.store is not None:
+            metrics.PREFIX_QUERIED.inc(len(sequence.prompt_ids))
+            metrics.PREFIX_HITS.inc(depth)
+        group = next((g for g in self.prefills if g.cache is None and g.depth == depth and self.exact_blocks), None)
+        if group is None:
+            group = _Prefill([], depth, self.groups_formed)
+            self.groups_formed += 1
+            self.prefills.append(group)
+        group.sequences.append(sequence)
+        if cached:
+            group.restored.append(torch.cat(self.store.take(sequence.digests[:cached]), dim=3))
+
+    def _prefill_step(self) -> list[StepOutput]:
+        if not self.chunk_blocks:  # unchunked: every prompt to its end in this step
+            outputs = []
+            while self.prefills:
+                outputs += self._advance_group(self.prefills[0], blocks=None)
+            return outputs
+        return self._advance_group(self._next_group(), self.chunk_blocks)
+
+    def _next_group(self) -> _Prefill:
+        """Turns alternate: the group nearest its end (a short prompt need not wait behind a long one), then
+        the oldest (so that none waits forever)."""
+        self.prefill_turns += 1
+        if self.prefill_turns % 2:
+            return min(self.prefills, key=lambda g: (g.remaining(self.block), g.order))
+        return min(self.prefills, key=lambda g: g.order)
+
+    def _advance_group(self, group: _Prefill, blocks: int | None) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        done = 0
+        while group.sequences and (blocks is None or done < blocks):
+            outputs += self._prefill_block(group)
+            done += 1
+        if not group.sequences:
+            self.prefills.remove(group)
+        return outputs
+
+    def _prefill_block(self, group: _Prefill) -> list[StepOutput]:
+        """The next block of every row of `group`; rows whose prompts end in it join the running batch."""
+        logits = self._forward_block(group)
+        self._store_block(group)
+        ended = [r for r, s in enumerate(group.sequences) if len(s.prompt_ids) <= group.depth]
+        if not ended:
+            return []
+        joiners = [self._ended(group, r, logits[r:r + 1]) for r in ended]
+        group.select([r for r in range(len(group.sequences)) if r not in ended])
+        return self._join(joiners)
+
+    def _forward_block(self, group: _Prefill) -> torch.Tensor:
+        """Forward [rows, block] tokens at positions depth..; returns each row's logits at its last token in
+        the block (a row's last block is padded after its end, which causal attention keeps out of it)."""
+        device, depth = self.loaded.device, group.depth
+        if group.cache is None:
+            # Room for the longest prompt, its padding and the first tokens after it: no copy while prefilling.
+            room = max(len(s.prompt_ids) for s in group.sequences) + self.block + ROOM
+            config = self.loaded.model.config
+            group.cache = stacked_cache(config, group.restored, self.ragged, room) if group.restored \
+                else new_cache(config, self.ragged, room)
+            group.restored = []
+        pieces = [s.prompt_ids[depth:depth + self.block] for s in group.sequences]
+        width = self.block if self.exact_blocks else len(pieces[0])
+        pad = self.loaded.eos_token_ids[0]
+        ids = torch.tensor([piece + [pad] * (width - len(piece)) for piece in pieces], device=device)
+        positions = torch.arange(depth, depth + width, device=device).expand(len(pieces), width)
+        mask = torch.ones(len(pieces), depth + width, dtype=torch.long, device=device)
+        last = torch.tensor([[len(piece) - 1] for piece in pieces], device=device)
+        logits = self.loaded.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=group.cache,
+                                   use_cache=True, logits_to_keep=last).logits[:, -1]
+        group.depth += width
+        return logits
+
+    def _store_block(self, group: _Prefill) -> None:
+        """Put the block just computed of each row whose prompt fills it into the prefix cache."""
+        if self.store is None:
+            return
+        index = group.depth // self.block - 1
+        start = index * self.block
+        for row, sequence in enumerate(group.sequences):
+            if index < len(sequence.digests) and sequence.digests[index] not in self.store:
+                self.store.put(sequence.digests[index], block(group.cache, row, start, start + self.block),
+                               parents=sequence.digests[:index])
+        metrics.PREFIX_BYTES.set(self.store.bytes)
+
+    def _ended(self, group: _Prefill, row: int, logits: torch.Tensor) -> tuple[_Batch, torch.Tensor]:
+        """A row whose prompt is done, as a batch of its own (the padding after its end cut off) with the
+        logits of its next token; a migrated sequence first replays the tokens it had delivered."""
+        sequence = group.sequences[row]
+        length = len(sequence.prompt_ids)
+        # (Without exact blocks a group is one row, unpadded: its cache is the row's.)
+        cache = row_cache(self.loaded.model.config, group.cache, row, length) if self.exact_blocks else group.cache
+        device = self.loaded.device
+        batch = _Batch([sequence], cache, torch.ones(1, length, dtype=torch.long, device=device),
+                       torch.zeros(1, dtype=torch.long, device=device), torch.tensor([length], device=device))
+        return batch, self._replayed(batch, sequence) if sequence.output_ids else logits
+
+    def _replayed(self, batch: _Batch, sequence: Sequence) -> torch.Tensor:
+        """Feed a migrated sequence's delivered tokens as decode steps, as the lost worker computed them (one
+        prefill over prompt and tokens would be faster but rounds differently, and with int8 activations that
+        can change the greedy continuation); returns the logits after the last."""
+        for token in sequence.output_ids:
+            batch.last_tokens[0] = token
+            logits = self._forward_one_token(batch)
+        return logits
+
+    def _join(self, joiners: list[tuple[_Batch, torch.Tensor]]) -> list[StepOutput]:
+        new = joiners[0][0]
+        for other, _ in joiners[1:]:
             new.extend(other)
+        logits = torch.cat([row_logits for _, row_logits in joiners])
         if self.batch is None:
             self.batch = new
         else:
             self.batch.extend(new)
         return self._advance(logits, first_row=len(self.batch.sequences) - len(new.sequences))
-
-    def _prompt_batch(self, sequences: list[Sequence]) -> tuple[_Batch, torch.Tensor]:
-        """Prefill the prompts together; returns their batch and each one's last logits."""
-        device = self.loaded.device
-        contexts = [s.prompt_ids for s in sequences]
-        ids, mask = left_padded(contexts, self.loaded.eos_token_ids[0], device)
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        cache = new_cache(self.loaded.model.config)
-        logits = self.loaded.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
-                                   use_cache=True, logits_to_keep=1).logits[:, -1]
-        lengths = torch.tensor([len(c) for c in contexts], device=device)
-        return _Batch(sequences, cache, mask, torch.zeros_like(lengths), lengths), logits
-
-    def _replayed(self, sequence: Sequence) -> tuple[_Batch, torch.Tensor]:
-        """A migrated sequence: its prompt prefilled, then each token already delivered fed as a decode step,
-        as the lost worker computed them. One prefill over prompt and tokens would be faster but rounds
-        differently, and with int8 activations that can change the greedy continuation."""
-        batch, logits = self._prompt_batch([sequence])
-        for token in sequence.output_ids:
-            batch.last_tokens[0] = token
-            logits = self._forward_one_token(batch)
-        return batch, logits
 
     def _decode(self) -> list[StepOutput]:
         return self._advance(self._forward_one_token(self.batch), first_row=0)

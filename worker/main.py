@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import redis
 
 from common.errors import ErrorCode
+from common.prefix import prefix_keys
 from common.protocol import (
     EVENT_STREAM_MAXLEN,
     PAYLOAD,
@@ -30,31 +31,18 @@ from common.protocol import (
     encode,
     now,
 )
+from common.resultlog import publish_results
 from common.runtime import Backoff, decode_or_drop, parse_heartbeats, redis_trouble, service_id
 from common.settings import Settings
 from common.telemetry import serve_metrics, setup_logging
 from common.trace import stamp
-from worker import metrics
+from worker import metrics, vllm_metrics
 from worker.core import Engine, Model, PromptTooLong, StepOutput, StepResult
 from worker.sim import SimEngine, SimModel
 
 log = logging.getLogger("worker")
 
 PROGRESS_TTL_SECONDS = 3600
-
-# Every token of a step in one call: published on its request's channel first, then recorded in its progress
-# list (a worker lost in between makes its successor repeat the token, which the gateway drops by its index,
-# rather than skip it). Two pipelined commands per token cost the worker 6 ms per step at 250 rows, this 1 ms.
-# KEYS: the prefixes of the channel and of the progress list, completed by each request_id (one Redis,
-# not a cluster). ARGV: request_id, encoded Token, token id, for each token.
-_PUBLISH_TOKENS = """
-for i = 1, #ARGV, 3 do
-  redis.call('PUBLISH', KEYS[1] .. ARGV[i], ARGV[i + 1])
-  redis.call('RPUSH', KEYS[2] .. ARGV[i], ARGV[i + 2])
-end
-return 0
-"""
-
 
 @dataclass
 class Timing:
@@ -179,12 +167,16 @@ class Worker:
         beat = Heartbeat(self.id, self.loaded.name, self.loaded.max_length, self.settings.worker_slots,
                          self.engine.running_count, self.engine.waiting_count, self.finished_total, now(),
                          draining=self.drain_until is not None, metrics_port=self.metrics_port,
-                         vocab=self.loaded.vocab)
+                         vocab=self.loaded.vocab, prefixes=self._held_prefixes())
         ttl_ms = int(self.settings.worker_ttl * 1000)
         pipe = self.redis.pipeline(transaction=False)
         pipe.set(self.keys.heartbeat(self.id), encode(beat, self.settings.max_message_bytes), px=ttl_ms)
         pipe.sadd(self.keys.workers, self.id)
         pipe.execute()
+
+    def _held_prefixes(self) -> list[int]:
+        routing = getattr(self.engine, "routing", None)
+        return routing.held() if routing is not None else []
 
     def _read_inbox(self, block: bool) -> None:
         wait_ms = int(self.settings.heartbeat_interval * 1000) if block else None
@@ -214,14 +206,16 @@ class Worker:
                 self._fail(request_id, ErrorCode.ENGINE_ERROR, "the worker failed while generating")
             return
         elapsed = time.perf_counter() - started
-        if result.outputs:
+        if result.kind != "idle":  # a prefill step may end no prompt yet (chunked prefill): it counts too
             metrics.STEP_SECONDS.labels(result.kind).observe(elapsed)
+        if result.outputs:
             if result.kind == "decode":
                 metrics.BATCH_SIZE.observe(len(result.outputs))
             metrics.TOKENS.inc(len(result.outputs))
         metrics.RUNNING.set(self.engine.running_count)
         metrics.WAITING.set(self.engine.waiting_count)
         metrics.KV_CACHE_TOKENS.set(self.engine.cache_positions)
+        vllm_metrics.observe_step(self.loaded.name, self.engine, self.settings.worker_slots, self.loaded.max_length)
         self._publish(result, elapsed)
 
     def _admit(self, batch: Batch) -> None:
@@ -245,8 +239,12 @@ class Worker:
     def _start(self, submit: Submit) -> None:
         if len(submit.resume) >= submit.params.max_tokens:
             self._complete(submit)
-        else:
-            self.engine.add(submit.request_id, self.loaded.prompt_ids(submit), submit.params, submit.resume)
+            return
+        prompt_ids = self.loaded.prompt_ids(submit)
+        self.engine.add(submit.request_id, prompt_ids, submit.params, submit.resume)
+        routing = getattr(self.engine, "routing", None)  # the model engine's prefix cache, when it has one
+        if routing is not None:
+            routing.remember(prefix_keys(submit), prompt_ids)
 
     def _complete(self, submit: Submit) -> None:
         """A migrated request whose tokens were all delivered: only its Done went missing."""
@@ -278,12 +276,14 @@ class Worker:
         if not outputs:
             return
         limit = self.settings.max_message_bytes
-        tokens = [field for out in outputs for field in (
-            out.request_id, encode(Token(out.index, out.text, out.logprob, out.top_logprobs), limit),
-            out.token_id)]
+        tokens = [(out.request_id, encode(Token(out.index, out.text, out.logprob, out.top_logprobs), limit),
+                   out.token_id) for out in outputs]
         pipe = self.redis.pipeline(transaction=False)
-        # First in the pipeline: what follows (a progress list's expiry, a Done) must come after its token.
-        pipe.eval(_PUBLISH_TOKENS, 2, self.keys.results(""), self.keys.progress(""), *tokens)
+        # Every token of the step in one script call (common/resultlog.py): published on its request's channel,
+        # then recorded in its progress list (a worker lost in between makes its successor repeat the token,
+        # which the gateway drops by its index, rather than skip it) and in its results log. First in the
+        # pipeline: what follows (a progress list's expiry, a Done) must come after its token.
+        publish_results(pipe, self.keys, self.settings, tokens)
         for out in outputs:
             rid = out.request_id
             timing = self.timings.get(rid)
@@ -303,7 +303,9 @@ class Worker:
         pipe.execute()
 
     def _send(self, pipe: redis.client.Pipeline, request_id: str, result: Token | Done | Error) -> None:
-        pipe.publish(self.keys.results(request_id), encode(result, self.settings.max_message_bytes))
+        """Publish an end (a Done or an Error), and log it for a stream that may be resumed."""
+        publish_results(pipe, self.keys, self.settings,
+                        [(request_id, encode(result, self.settings.max_message_bytes), "")])
 
     def _stamp(self, pipe: redis.client.Pipeline, request_id: str, hop: str, **detail: str | int | float) -> None:
         stamp(pipe, self.keys, request_id, hop, "worker", self.settings.trace_ttl, **detail)
@@ -313,6 +315,7 @@ class Worker:
         self.finished_total += 1
         self.timings.pop(request_id, None)
         metrics.FINISHED.labels(hop).inc()
+        vllm_metrics.released(self.loaded.name, hop, detail.get("reason"))
         self._stamp(pipe, request_id, hop, worker_id=self.id, **detail)
         pipe.delete(self.keys.progress(request_id))
         event = Finished(self.id, request_id)
@@ -333,7 +336,8 @@ def build_engine(settings: Settings) -> tuple[Model, Engine]:
     from worker.model import load_model
 
     loaded = load_model(settings)
-    return loaded, ModelEngine(loaded, settings.worker_slots, static)
+    return loaded, ModelEngine(loaded, settings.worker_slots, static, settings.prefill_block, settings.prefill_chunk,
+                               settings.prefix_cache_bytes)
 
 
 def main() -> None:

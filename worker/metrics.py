@@ -13,3 +13,8 @@ STEP_SECONDS = Histogram("llmserve_worker_step_seconds", "Duration of one engine
 TOKENS = Counter("llmserve_worker_generated_tokens_total", "Tokens generated (rate() gives tokens/s)")
 KV_CACHE_TOKENS = Gauge("llmserve_worker_kv_cache_positions", "Positions held in the KV cache (rows x width)")
 FINISHED = Counter("llmserve_worker_finished_total", "Sequences that left the worker", ["reason"])
+PREFIX_QUERIED = Counter("llmserve_worker_prefix_cache_queried_tokens_total",
+                         "Prompt tokens looked up in the prefix cache")
+PREFIX_HITS = Counter("llmserve_worker_prefix_cache_hit_tokens_total",
+                      "Prompt tokens whose keys and values came from the prefix cache instead of a forward")
+PREFIX_BYTES = Gauge("llmserve_worker_prefix_cache_bytes", "Bytes of keys and values the prefix cache holds")

@@ -87,17 +87,22 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def rowwise_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 attention_mask: torch.Tensor | None, scaling: float | None = None,
-                 **kwargs: object) -> tuple[torch.Tensor, None]:
+def rowwise_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor | list[torch.Tensor],
+                 value: torch.Tensor | list[torch.Tensor], attention_mask: torch.Tensor | None,
+                 scaling: float | None = None, **kwargs: object) -> tuple[torch.Tensor, None]:
     """Scaled dot-product attention without padding: each row is computed over its own tokens only, by a
     call of the very shapes it would make alone, so its result cannot depend on the rest of the batch.
     Consecutive rows of one length (requests admitted together, or all rows at batch 1) share a call:
     the kernel computes each row of an unpadded batch as it would compute that row alone (tested).
     Assumes left padding (the engine's and `generate`'s), read off the mask's last query row, and a
-    decoder in eval mode (causal, no dropout, no softcap)."""
+    decoder in eval mode (causal, no dropout, no softcap). `key` and `value` may also be lists of each
+    row's own ([1, heads, n, dim], worker/cache.py's ragged layout): then each row is its own call."""
     if kwargs.get("sliding_window") or kwargs.get("softcap") or kwargs.get("position_bias") is not None:
         raise NotImplementedError("int8's row-wise attention handles plain causal attention only")
+    if isinstance(key, list):
+        runs = [_attend(query[row:row + 1], key[row], value[row], attention_mask, row, key[row].shape[2], scaling)
+                for row in range(query.shape[0])]
+        return (runs[0] if len(runs) == 1 else torch.cat(runs)).transpose(1, 2).contiguous(), None
     batch, kv_len = query.shape[0], key.shape[2]
     if attention_mask is None:
         valid = [kv_len] * batch
@@ -115,13 +120,17 @@ def rowwise_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
 
 def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
             first_row: int, n: int, scaling: float | None) -> torch.Tensor:
-    """Attention of rows that each hold `n` real tokens, over those tokens only; zeros for padding queries."""
+    """Attention of rows that each hold `n` real tokens (the last `n` of `key`), over those tokens only;
+    zeros for padding queries."""
     q_len, kv_len = query.shape[2], key.shape[2]
     t = min(q_len, n)  # the rows' real queries: the last t
     # t == n: a prefill (causal); t == 1: a decode step (sees all n keys); else a chunk after cached
-    # tokens, which needs the mask's real part.
-    mask = None if t in (1, n) else attention_mask[first_row:first_row + len(query), :, q_len - t:, kv_len - n:]
-    out = _sdpa(query[:, :, q_len - t:], key[:, :, kv_len - n:], value[:, :, kv_len - n:], attn_mask=mask,
+    # tokens, which needs the mask's real part (its last n columns).
+    mask = None if t in (1, n) else attention_mask[first_row:first_row + len(query), :, q_len - t:,
+                                                   attention_mask.shape[-1] - n:]
+    if kv_len != n:
+        key, value = key[:, :, kv_len - n:], value[:, :, kv_len - n:]
+    out = _sdpa(query if t == q_len else query[:, :, q_len - t:], key, value, attn_mask=mask,
                 is_causal=t > 1 and mask is None, scale=scaling, enable_gqa=True)
     return out if t == q_len else nn.functional.pad(out, (0, 0, q_len - t, 0))
 
@@ -174,6 +183,13 @@ def _fusable(model: nn.Module) -> bool:
     config = getattr(model, "config", None)
     return (isinstance(model, LlamaForCausalLM) and config.hidden_act == "silu" and not config.mlp_bias
             and not config.attention_bias and (config.rope_parameters or {}).get("rope_type") == "default")
+
+
+def takes_rows_alone(model: nn.Module) -> bool:
+    """Whether every decoder layer is an `Int8LlamaLayer`, whose attention takes each row's own keys and
+    values: its cache may then hold rows side by side without padding (worker/cache.py)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    return bool(layers) and all(isinstance(layer, Int8LlamaLayer) for layer in layers)
 
 
 def quantize_int8(model: nn.Module) -> int:

@@ -15,6 +15,8 @@ from common.protocol import SamplingParams
 MAX_TOP_LOGPROBS = 20
 # Below this temperature sampling is greedy in all but name, and dividing by it would overflow.
 GREEDY_BELOW = 1e-5
+# A logit_bias this low (OpenAI's floor) bans the token outright rather than merely lowering it.
+BAN_BIAS = 100.0
 
 
 @dataclass
@@ -47,6 +49,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     wanted = [row for row, p in enumerate(params) if p.logprobs is not None]
     log_probs = logits[wanted].log_softmax(dim=-1) if wanted else None
     _penalise(logits, params, generated)
+    _bias(logits, params)
     for row, tokens in enumerate(banned):
         if tokens:
             logits[row, tokens] = float("-inf")
@@ -79,6 +82,20 @@ def _penalise(logits: torch.Tensor, params: list[SamplingParams], generated: lis
     presence = torch.tensor([params[row].presence_penalty for row in rows], device=device).unsqueeze(1)
     index = torch.tensor(rows, device=device)
     logits[index] -= frequency * counts + presence * (counts > 0)
+
+
+def _bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """Add each row's logit_bias to that row alone, in place; a bias at the floor bans its token. Ids past
+    the vocabulary are skipped: the gateway refuses them, and one row must not fail the whole batch."""
+    vocab = logits.shape[-1]
+    for row, p in enumerate(params):
+        pairs = [(token, bias) for token, bias in p.logit_bias if 0 <= token < vocab]
+        if not pairs:
+            continue
+        ids = torch.tensor([token for token, _ in pairs], device=logits.device)
+        biases = torch.tensor([float("-inf") if bias <= -BAN_BIAS else bias for _, bias in pairs],
+                              device=logits.device)
+        logits[row, ids] += biases
 
 
 def _logprobs(log_probs: torch.Tensor, token: int, top: int) -> Logprobs:

@@ -26,6 +26,7 @@ const COLOURS = {
 const state = {
   history: [],       // completed chat turns, sent again with each new message
   controller: null,  // the AbortController of the answer being streamed
+  streaming: null,  // the request_id of that answer, once its headers came
   journeys: [],      // {id, kind, ended, settled, trace, note}, newest first
   chartHistory: [],
 };
@@ -189,6 +190,7 @@ async function send(event) {
     });
     if (!response.ok) throw new Error(await errorMessage(response));
     const requestId = response.headers.get("X-Request-Id");
+    state.streaming = requestId;
     if (requestId) {
       $("request-id").textContent = requestId;
       journey = track(requestId, chat ? "chat" : "completion");
@@ -228,6 +230,7 @@ async function send(event) {
   } finally {
     $("finish").textContent = finish || "–";
     state.controller = null;
+    state.streaming = null;
     setBusy(false);
     if (journey) {
       journey.ended = Date.now();
@@ -236,8 +239,19 @@ async function send(event) {
   }
 }
 
+// A stream outlives its connection for RESUME_GRACE (it could be resumed): stopping an answer also
+// cancels its request, so that its slot is free at once.
+function stopAnswer() {
+  if (!state.controller) return;
+  if (state.streaming) {
+    fetch(`/v1/requests/${encodeURIComponent(state.streaming)}`, { method: "DELETE", headers: headers() })
+      .catch(() => {});
+  }
+  state.controller.abort();
+}
+
 function newChat() {
-  if (state.controller) state.controller.abort();
+  stopAnswer();
   state.history = [];
   renderTranscript();
   resetAnswer();
@@ -484,7 +498,7 @@ function start() {
   });
   for (const radio of document.querySelectorAll("input[name=mode]")) radio.addEventListener("change", applyMode);
   $("form").addEventListener("submit", send);
-  $("cancel").addEventListener("click", () => state.controller && state.controller.abort());
+  $("cancel").addEventListener("click", stopAnswer);
   $("new-chat").addEventListener("click", newChat);
   $("prompt").addEventListener("keydown", (event) => {
     if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) $("form").requestSubmit();

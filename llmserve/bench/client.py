@@ -30,7 +30,8 @@ class Sampling:
 @dataclass(frozen=True)
 class Target:
     """Where requests go and in which dialect: `native` is llmserve's `/generate_stream`,
-    `openai` is `/v1/completions` with `stream: true` on any compatible server."""
+    `openai` is `/v1/completions` with `stream: true` on any compatible server, `chat` its
+    `/v1/chat/completions` (a job's shared text as the system message, its prompt as the user's)."""
 
     url: str
     api: str = "openai"
@@ -38,8 +39,13 @@ class Target:
     api_key: str = ""
 
     def request(self, job: Job, sampling: Sampling) -> tuple[str, bytes]:
-        body: dict[str, object] = {"prompt": job.prompt, "max_tokens": job.max_tokens,
-                                   "temperature": sampling.temperature, "top_p": sampling.top_p}
+        body: dict[str, object] = {"max_tokens": job.max_tokens, "temperature": sampling.temperature,
+                                   "top_p": sampling.top_p}
+        if self.api == "chat":
+            system = [{"role": "system", "content": job.shared}] if job.shared else []
+            body["messages"] = [*system, {"role": "user", "content": job.prompt}]
+        else:
+            body["prompt"] = f"{job.shared}\n\n{job.prompt}" if job.shared else job.prompt
         if sampling.seed is not None:
             body["seed"] = sampling.seed
         if sampling.ignore_eos:
@@ -48,7 +54,7 @@ class Target:
         if self.api == "native":
             return "/generate_stream", msgspec.json.encode(body)
         body |= {"model": self.model, "stream": True, "stream_options": {"include_usage": True}}
-        return "/v1/completions", msgspec.json.encode(body)
+        return "/v1/chat/completions" if self.api == "chat" else "/v1/completions", msgspec.json.encode(body)
 
 
 @dataclass

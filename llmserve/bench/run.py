@@ -103,12 +103,13 @@ HEADER = (f"{'load':>8} {'req/s':>7} {'out tok/s':>9} {'TTFT p50':>8} {'TTFT p99
 
 async def sweep(target: Target, levels: list[Level], requests: int, prompt_lengths: Lengths,
                 output_lengths: Lengths, sampling: Sampling, seed: int = 0, warmup: int = 0,
-                show_progress: bool = True) -> list[dict]:
-    """Every level gets the same workload; the warm-up requests are not counted."""
+                show_progress: bool = True, shared_tokens: int = 0) -> list[dict]:
+    """Every level gets the same workload; the warm-up requests are not counted (nor do they share the
+    workload's shared text: they warm the server, not its prefix cache)."""
     if warmup:
-        warm = make_jobs(warmup, prompt_lengths, Lengths("fixed", 8), seed + 99)
+        warm = make_jobs(warmup, prompt_lengths, Lengths("fixed", 8), seed + 99, shared_tokens)
         await run_level(target, warm, sampling, Level(warmup, None), show_progress=False)
-    jobs = make_jobs(requests, prompt_lengths, output_lengths, seed)
+    jobs = make_jobs(requests, prompt_lengths, output_lengths, seed, shared_tokens)
     results = []
     for level in levels:
         results.append(await run_level(target, jobs, sampling, level, seed, show_progress))
@@ -132,8 +133,9 @@ def _lengths(text: str) -> Lengths:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default="http://localhost:8000", help="the server (default %(default)s)")
-    parser.add_argument("--api", choices=("openai", "native"), default="openai",
-                        help="openai: /v1/completions on any compatible server; native: llmserve's /generate_stream")
+    parser.add_argument("--api", choices=("openai", "chat", "native"), default="openai",
+                        help="openai: /v1/completions on any compatible server; chat: /v1/chat/completions; "
+                             "native: llmserve's /generate_stream")
     parser.add_argument("--model", default="", help="model name for the openai API (default: the first listed)")
     parser.add_argument("--api-key", default="", help="sent as a bearer token")
     parser.add_argument("--concurrency", default="", help="requests in flight, or a comma list to sweep (e.g. 1,4,16)")
@@ -143,6 +145,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt length: N, uniform:LOW:HIGH or normal:MEAN:SD (default 32)")
     parser.add_argument("--output-tokens", type=_lengths, default=Lengths("fixed", 64),
                         help="new tokens per request, same forms (default 64)")
+    parser.add_argument("--shared-prefix-tokens", type=int, default=0,
+                        help="every prompt starts with one shared text of about this many tokens (the system "
+                             "message with --api chat), then its own --prompt-tokens: a shared-prefix workload")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
@@ -163,19 +168,21 @@ def main(args: argparse.Namespace) -> int:
     if any(level.value <= 0 for level in levels) or args.requests < 1:
         raise SystemExit("llmserve bench: concurrency, rate and requests must be positive")
     target = Target(args.url, args.api, args.model, args.api_key)
-    if args.api == "openai" and not args.model:
+    if args.api != "native" and not args.model:
         try:
             target = Target(args.url, args.api, discover_model(target), args.api_key)
         except (OSError, ValueError, KeyError, IndexError) as exc:
             raise SystemExit(f"llmserve bench: no model listed at {args.url}/v1/models ({exc}); pass --model") from None
     sampling = Sampling(args.temperature, args.top_p, args.sampling_seed, args.ignore_eos)
+    shared = f" after {args.shared_prefix_tokens} shared" if args.shared_prefix_tokens else ""
     print(f"{target.url} ({target.api}{', ' + target.model if target.model else ''}): {args.requests} requests "
-          f"per level, prompt {args.prompt_tokens} tokens, output {args.output_tokens} tokens")
+          f"per level, prompt {args.prompt_tokens} tokens{shared}, output {args.output_tokens} tokens")
     print(HEADER)
     results = asyncio.run(sweep(target, levels, args.requests, args.prompt_tokens, args.output_tokens, sampling,
-                                args.seed, args.warmup))
+                                args.seed, args.warmup, shared_tokens=args.shared_prefix_tokens))
     setup = {"url": target.url, "api": target.api, "model": target.model, "requests": args.requests,
-             "prompt_tokens": str(args.prompt_tokens), "output_tokens": str(args.output_tokens),
+             "prompt_tokens": str(args.prompt_tokens), "shared_prefix_tokens": args.shared_prefix_tokens,
+             "output_tokens": str(args.output_tokens),
              "sampling": asdict(sampling), "seed": args.seed}
     if args.out:
         Path(args.out).write_text(json.dumps({"setup": setup, "levels": results}, indent=2) + "\n")

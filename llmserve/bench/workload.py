@@ -60,16 +60,28 @@ class Lengths:
 class Job:
     prompt: str
     max_tokens: int
+    # Text every request of the workload starts with (a chat's system message), or none.
+    shared: str = ""
 
 
-def make_jobs(count: int, prompt_lengths: Lengths, output_lengths: Lengths, seed: int) -> list[Job]:
-    """Distinct prompts (a numbered opening), so no server can answer one from another's cache."""
+def make_jobs(count: int, prompt_lengths: Lengths, output_lengths: Lengths, seed: int,
+              shared_tokens: int = 0) -> list[Job]:
+    """Distinct prompts (a numbered opening), so no server can answer one from another's cache; with
+    `shared_tokens`, each after one shared text of about that many tokens (a shared-prefix workload:
+    a long system prompt and short distinct questions), which a prefix cache may reuse."""
     rng = random.Random(seed)
+    shared = shared_text(shared_tokens, seed) if shared_tokens else ""
     jobs = []
     for number in range(count):
         words = [rng.choice(WORDS) for _ in range(max(0, prompt_lengths.draw(rng) - 2))]
-        jobs.append(Job(f"{number}. " + " ".join(words), output_lengths.draw(rng)))
+        jobs.append(Job(f"{number}. " + " ".join(words), output_lengths.draw(rng), shared))
     return jobs
+
+
+def shared_text(tokens: int, seed: int) -> str:
+    """About `tokens` tokens of seeded common words (one word is about one token)."""
+    rng = random.Random(seed + 7)
+    return "Instructions: " + " ".join(rng.choice(WORDS) for _ in range(max(0, tokens - 3))) + "."
 
 
 def arrival_offsets(count: int, rate: float | None, seed: int) -> list[float]:

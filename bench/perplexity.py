@@ -1,0 +1,95 @@
+"""Issue 12, target 4: perplexity of the default model in float32 and in int8 (the CPU worker's default),
+on English text that ships with the Python install itself: the Language Reference's topics in
+`pydoc_data/topics.py` (what `help("assert")` prints), in sorted order, joined by blank lines.
+
+As llama.cpp's `llama-perplexity`: the tokens are cut into windows of 512, each window is one forward from
+an empty context, and the log-likelihood of each token given the window's tokens before it is scored two
+ways: every token of the window after the first ("both halves") and only the second half (tokens 256..511,
+each with at least 256 tokens of context, llama-perplexity's own figure). Also, as its `--kl-divergence`
+mode: the mean KL divergence of int8's next-token distribution from float32's, and how often both rank the
+same token first (second halves). Both models see the same windows; the tokenizer adds no BOS to plain text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.stack_throughput import RESULTS  # noqa: E402
+from common.settings import Settings  # noqa: E402
+from worker.model import LoadedModel, load_model  # noqa: E402
+
+WINDOW = 512
+
+
+def corpus() -> tuple[str, str]:
+    """The text and where it comes from."""
+    import pydoc_data.topics as topics
+
+    return "\n\n".join(topics.topics[key] for key in sorted(topics.topics)), topics.__file__
+
+
+@torch.inference_mode()
+def log_probs(loaded: LoadedModel, window: list[int]) -> torch.Tensor:
+    """[WINDOW - 1, vocab]: the log-distribution of each next token given the window before it."""
+    logits = loaded.model(input_ids=torch.tensor([window])).logits[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--windows", type=int, default=96, help="windows of 512 tokens scored (0: all)")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+
+    text, source = corpus()
+    models = {quant: load_model(Settings(worker_threads=args.threads, worker_quant=quant))
+              for quant in ("none", "int8")}
+    ids = models["none"].tokenizer(text)["input_ids"]
+    count = len(ids) // WINDOW if not args.windows else min(args.windows, len(ids) // WINDOW)
+    half = WINDOW // 2
+    sums = {quant: {"all": 0.0, "second_half": 0.0} for quant in models}
+    kl, agree, seconds = 0.0, 0, {quant: 0.0 for quant in models}
+    for index in range(count):
+        window = ids[index * WINDOW:(index + 1) * WINDOW]
+        targets = torch.tensor(window[1:])
+        dists = {}
+        for quant, loaded in models.items():
+            started = time.perf_counter()
+            dists[quant] = log_probs(loaded, window)
+            seconds[quant] += time.perf_counter() - started
+            chosen = -dists[quant].gather(1, targets[:, None])[:, 0].double()
+            sums[quant]["all"] += float(chosen.sum())
+            sums[quant]["second_half"] += float(chosen[half - 1:].sum())  # predictions of tokens half..WINDOW-1
+        reference, int8 = dists["none"][half - 1:], dists["int8"][half - 1:]
+        kl += float((reference.exp() * (reference - int8)).sum(dim=-1).double().sum())
+        agree += int((reference.argmax(-1) == int8.argmax(-1)).sum())
+        if (index + 1) % 16 == 0:
+            print(f"{index + 1}/{count} windows", flush=True)
+    scored = {"all": count * (WINDOW - 1), "second_half": count * half}
+    perplexity = {quant: {part: math.exp(total / scored[part]) for part, total in parts.items()}
+                  for quant, parts in sums.items()}
+    result = {
+        "setup": {"source": source, "characters": len(text), "tokens": len(ids), "window": WINDOW,
+                  "windows": count, "threads": args.threads, "model": Settings().model},
+        "perplexity": {"float32": perplexity["none"], "int8": perplexity["int8"]},
+        "int8_over_float32": {part: perplexity["int8"][part] / perplexity["none"][part] for part in scored},
+        "second_half_mean_kl_divergence": kl / scored["second_half"],
+        "second_half_same_top_token": agree / scored["second_half"],
+        "seconds_per_window": {"float32": seconds["none"] / count, "int8": seconds["int8"] / count},
+    }
+    (RESULTS / "perplexity.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

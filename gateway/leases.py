@@ -1,0 +1,111 @@
+"""Who still wants a stream: a lease per stream in Redis, shared by every gateway.
+
+A stream's lease (its first request_id in the sorted set `Keys.leases`, scored by when it lapses,
+in Redis's clock) is taken at admission and extended every RESUME_GRACE / 4 by each gateway that
+has a client reading the stream. A client that goes away leaves the lease to lapse RESUME_GRACE
+later; one that comes back, on any gateway, extends it again. A gateway that dies stops extending
+the leases of all its streams at once, which then lapse like any disconnect. Every gateway sweeps
+lapsed leases (claiming each atomically, so that one gateway handles it) and cancels their requests.
+Nothing depends on the gateway that held a stream being alive."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from common.protocol import Keys
+from common.settings import Settings
+
+log = logging.getLogger("gateway")
+
+# Extend the leases of the streams this gateway's clients read, and keep their logs (a choice that ended
+# early must outlive its siblings). XX: a lease already lapsed and claimed is not brought back.
+# KEYS: leases, log prefix. ARGV: lease ms, log ttl ms, number of leases h, h stream ids, then request_ids.
+_EXTEND = """
+local clock = redis.call('TIME')
+local until_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000) + tonumber(ARGV[1])
+local h = tonumber(ARGV[3])
+for i = 4, 3 + h do redis.call('ZADD', KEYS[1], 'XX', until_ms, ARGV[i]) end
+if tonumber(ARGV[2]) > 0 then
+  for i = 4 + h, #ARGV do redis.call('PEXPIRE', KEYS[2] .. ARGV[i], ARGV[2]) end
+end
+return 0
+"""
+
+# Claim the lapsed leases: whoever removes one cancels its stream. KEYS: leases. ARGV: most to claim.
+_CLAIM = """
+local clock = redis.call('TIME')
+local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now_ms, 'LIMIT', 0, tonumber(ARGV[1]))
+if #due > 0 then redis.call('ZREM', KEYS[1], unpack(due)) end
+return due
+"""
+
+CLAIM_BATCH = 256
+LONGEST_INTERVAL = 1.0
+
+
+class Leases:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, settings: Settings,
+                 on_lapsed: Callable[[list[str]], Awaitable[None]]) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.grace_ms = int(settings.resume_grace * 1000)
+        self.log_ttl_ms = int(settings.resume_ttl * 1000)
+        # With RESUME_GRACE=0 a disconnect cancels at once and nothing is leased.
+        self.enabled = self.grace_ms > 0 and self.log_ttl_ms > 0
+        self.interval = min(settings.resume_grace / 4, LONGEST_INTERVAL)
+        self.on_lapsed = on_lapsed
+        # Streams read here: their request_ids, and how many of this gateway's clients read each.
+        self.held: dict[str, list[str]] = {}
+        self.readers: Counter[str] = Counter()
+        self.task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self.enabled:
+            self.task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self.task:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+
+    def hold(self, request_ids: list[str]) -> None:
+        """A client of this gateway reads the stream: extend its lease until it lets go."""
+        head = request_ids[0]
+        self.held[head] = request_ids
+        self.readers[head] += 1
+
+    def let_go(self, head: str) -> None:
+        self.readers[head] -= 1
+        if self.readers[head] <= 0:
+            del self.readers[head]
+            self.held.pop(head, None)
+
+    async def extend(self, heads: list[str], request_ids: Sequence[str] = ()) -> None:
+        """Leases of `heads` to RESUME_GRACE from now (those that still exist), logs of `request_ids`
+        to RESUME_TTL."""
+        if heads:
+            await self.redis.eval(_EXTEND, 2, self.keys.leases, self.keys.log(""), self.grace_ms, self.log_ttl_ms,
+                                  len(heads), *heads, *request_ids)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                held = dict(self.held)
+                await self.extend(list(held), [rid for ids in held.values() for rid in ids])
+                lapsed = await self.redis.eval(_CLAIM, 1, self.keys.leases, CLAIM_BATCH)
+                if lapsed:
+                    await self.on_lapsed([head.decode() for head in lapsed])
+            except (RedisError, OSError) as exc:
+                log.debug("leases not extended or swept", extra={"error": str(exc)})
+            except Exception:
+                log.exception("lease sweep failed")

@@ -1,0 +1,69 @@
+"""From a validated HTTP body to the bus: one Submit per prompt and choice, and the StreamMeta a
+stream of them is resumed with. Shared by the seed's routes and the OpenAI routes."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from fastapi import Request
+
+from common.errors import ErrorCode
+from common.protocol import ChatMessage, Heartbeat, StreamMeta, Submit
+from gateway.bus import Bus
+from gateway.errors import ApiError
+from gateway.schemas import SamplingFields
+
+log = logging.getLogger("gateway")
+
+
+def bus_of(request: Request) -> Bus:
+    return request.app.state.bus
+
+
+def tenant_of(request: Request) -> str | None:
+    """The digest of the API key that authorised the request (set by the Guard), if keys are on."""
+    return getattr(request.state, "tenant", None)
+
+
+async def submits_for(request: Request, body: SamplingFields, prompts: list[str | None], choices: int = 1,
+                      messages: list[ChatMessage] | None = None, logprobs: int | None = None) -> list[Submit]:
+    """One Submit per prompt and choice, each with its own request_id (choice i samples with seed + i),
+    all of one tenant: the digest of the API key that authorised the request, or else the request's
+    first request_id."""
+    bus = bus_of(request)
+    check_engine_bounds(await bus.live_workers(), body)
+    submits = [body.submit(prompt=p, messages=messages, seed_offset=i, logprobs=logprobs,
+                           queue_timeout=bus.settings.queue_timeout) for p in prompts for i in range(choices)]
+    tenant = tenant_of(request) or submits[0].request_id
+    for submit in submits:
+        submit.tenant = tenant
+        log.info("received", extra={"request_id": submit.request_id})
+    request.state.request_id = submits[0].request_id
+    return submits
+
+
+def stream_meta(request: Request, submits: list[Submit], api: str, model: str = "", n: int = 1,
+                include_usage: bool = False) -> StreamMeta:
+    return StreamMeta(api, [s.request_id for s in submits], model=model, n=n, created=int(time.time()),
+                      include_usage=include_usage, tenant=submits[0].tenant, keyed=tenant_of(request) is not None)
+
+
+def check_engine_bounds(workers: list[Heartbeat], body: SamplingFields) -> None:
+    """The bounds only the live workers know: their context and their vocabulary (a worker that does
+    not tell its vocabulary clamps top_k itself)."""
+    contexts = [w.context for w in workers]
+    if body.max_tokens is not None and contexts and body.max_tokens >= min(contexts):
+        raise ApiError.of(ErrorCode.INVALID_VALUE, f"max_tokens is {body.max_tokens}; the model's context is "
+                          f"{min(contexts)} tokens, prompt and completion together", "max_tokens")
+    vocabularies = [w.vocab for w in workers if w.vocab > 0]
+    if not vocabularies:
+        return
+    vocab = min(vocabularies)
+    if body.top_k > vocab:
+        raise ApiError.of(ErrorCode.INVALID_VALUE, f"top_k is {body.top_k}; the model's vocabulary has "
+                          f"{vocab} tokens", "top_k")
+    outside = [token for token, _ in body.token_biases() if token >= vocab]
+    if outside:
+        raise ApiError.of(ErrorCode.INVALID_VALUE, f"logit_bias names token {outside[0]}; the model's vocabulary "
+                          f"has {vocab} tokens", "logit_bias")

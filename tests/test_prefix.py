@@ -1,0 +1,318 @@
+"""The prefix cache, chunked prefill and cache-aware routing: block-wise prefill on the real default model
+(int8, in-process) gives the same bits with or without a cache hit, chunked or not, alone or among other
+prompts; the cache and the text keys as pure code; the scheduler's choice of worker as pure policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+import pytest
+from prometheus_client import REGISTRY
+
+from common.prefix import MAX_KEYS, TEXT_BLOCK, prefix_keys
+from common.protocol import ChatMessage, Heartbeat, SamplingParams, Submit, decode, encode
+from common.settings import Settings
+from llmserve.bench.client import Sampling, Target
+from llmserve.bench.workload import Lengths, make_jobs
+from scheduler.policy import EXPECTED_LIMIT, EXPECTED_TTL, Queued, WaitingQueue, WorkerState, choose, plan
+from tests.conftest import RunningStack, wait_for
+from worker.core import StepOutput
+from worker.engine import Engine
+from worker.model import LoadedModel, load_model
+from worker.prefix import HeldPrefixes, PrefixStore, block_digests
+
+SCORED = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
+SYSTEM = " ".join(f"Rule {i}: answer politely, briefly and only about the bakery's bread and cakes." for i in range(12))
+QUESTIONS = ["What time do you open?", "Do you sell rye bread?", "Can I order a cake for Saturday?",
+             "Where are you?"]
+
+
+@pytest.fixture(scope="module")
+def loaded() -> LoadedModel:
+    return load_model(Settings(worker_threads=1))
+
+
+def chat(loaded: LoadedModel, question: str, system: str = SYSTEM) -> list[int]:
+    return loaded.chat_ids([{"role": "system", "content": system}, {"role": "user", "content": question}])
+
+
+Scored = tuple[int, float | None, tuple[float, ...]]
+
+
+def scored(out: StepOutput) -> Scored:
+    """A token with its log-probability and those of the runners-up: equal floats mean equal logits."""
+    if out.logprob is None:
+        return out.token_id, None, ()
+    return out.token_id, out.logprob.logprob, tuple(top.logprob for top in out.top_logprobs)
+
+
+def run(engine: Engine, arrivals: dict[int, list[tuple[str, list[int]]]],
+        params: SamplingParams = SCORED) -> dict[str, list[Scored]]:
+    """Step the engine, adding each (request id, prompt ids) at its step; returns each request's tokens."""
+    tokens: dict[str, list[Scored]] = {}
+    step = 0
+    while engine.has_work() or any(s >= step for s in arrivals):
+        for request_id, ids in arrivals.get(step, []):
+            engine.add(request_id, ids, params)
+        for out in engine.step().outputs:
+            tokens.setdefault(out.request_id, []).append(scored(out))
+        step += 1
+    return tokens
+
+
+def alone(loaded: LoadedModel, ids: list[int], params: SamplingParams = SCORED) -> list[Scored]:
+    """The reference: on an engine of its own, with no prefix cache."""
+    return run(Engine(loaded, 16, prefix_bytes=0), {0: [("x", ids)]}, params)["x"]
+
+
+def hit_tokens() -> float:
+    return REGISTRY.get_sample_value("llmserve_worker_prefix_cache_hit_tokens_total") or 0.0
+
+
+def test_a_cache_hit_gives_the_very_logits_of_a_miss(loaded: LoadedModel) -> None:
+    engine = Engine(loaded, 16)
+    first, second = chat(loaded, QUESTIONS[0]), chat(loaded, QUESTIONS[1])
+    assert run(engine, {0: [("first", first)]})["first"] == alone(loaded, first)
+    before = hit_tokens()
+    assert run(engine, {0: [("second", second)]})["second"] == alone(loaded, second)
+    shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+    assert hit_tokens() - before == shared // engine.block * engine.block > 0
+    again = hit_tokens()
+    assert run(engine, {0: [("repeat", first)]})["repeat"] == alone(loaded, first)  # all but the last block hit
+    assert hit_tokens() - again == (len(first) - 1) // engine.block * engine.block
+
+
+def test_hits_misses_and_arrivals_mixed_in_a_batch_change_no_request(loaded: LoadedModel) -> None:
+    prompts = {"warm": chat(loaded, QUESTIONS[0]), "hit": chat(loaded, QUESTIONS[1]),
+               "other": chat(loaded, QUESTIONS[2], system="You answer questions about trains. " * 9),
+               "short": loaded.tokenizer("Paris is")["input_ids"], "hit2": chat(loaded, QUESTIONS[3])}
+    engine = Engine(loaded, 16)
+    mixed = run(engine, {0: [("warm", prompts["warm"]), ("short", prompts["short"])],
+                         3: [("other", prompts["other"])], 12: [("hit", prompts["hit"]), ("hit2", prompts["hit2"])]})
+    for name, ids in prompts.items():
+        assert mixed[name] == alone(loaded, ids), name
+
+
+def test_chunked_and_unchunked_prefill_give_the_same_tokens(loaded: LoadedModel) -> None:
+    prompts = [("a", chat(loaded, QUESTIONS[0])), ("b", chat(loaded, QUESTIONS[2], system=SYSTEM[:200]))]
+    results = [run(Engine(loaded, 16, chunk=chunk, prefix_bytes=0), {0: prompts[:1], 2: prompts[1:]})
+               for chunk in (0, 32, 96)]
+    assert results[0] == results[1] == results[2]
+
+
+def test_a_migrated_request_with_a_cached_prompt_continues_exactly(loaded: LoadedModel) -> None:
+    prompt = chat(loaded, QUESTIONS[1])
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    reference = Engine(loaded, 16, prefix_bytes=0)
+    reference.add("x", prompt, params)
+    whole = [out.token_id for _ in range(40) for out in reference.step().outputs]
+    engine = Engine(loaded, 16)
+    run(engine, {0: [("warm", chat(loaded, QUESTIONS[0]))]}, params)  # the system prompt is now cached
+    before = hit_tokens()
+    engine.add("x", prompt, params, resume=whole[:5])
+    rest = [out.token_id for _ in range(40) for out in engine.step().outputs]
+    assert hit_tokens() > before
+    assert whole[:5] + rest == whole
+
+
+def test_a_prompt_waits_for_a_block_another_is_computing_and_takes_it_from_the_cache(loaded: LoadedModel) -> None:
+    engine = Engine(loaded, 16)
+    before = hit_tokens()
+    prompts = [(q, chat(loaded, q)) for q in QUESTIONS[:3]]
+    burst = run(engine, {0: prompts})  # a cold cache: the first computes the system prompt, the others wait
+    first = prompts[0][1]
+    shared = [next(i for i, (a, b) in enumerate(zip(first, ids, strict=False)) if a != b) for _, ids in prompts[1:]]
+    assert hit_tokens() - before == sum(n // engine.block * engine.block for n in shared) > 0
+    for question, ids in prompts:
+        assert burst[question] == alone(loaded, ids), question
+
+
+def test_a_long_prompt_is_prefilled_between_decode_steps_and_a_short_one_overtakes_it(loaded: LoadedModel) -> None:
+    engine = Engine(loaded, 16, prefix_bytes=0)
+    long_prompt = chat(loaded, QUESTIONS[0])
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    engine.add("running", loaded.tokenizer("The quick brown")["input_ids"], params)
+    engine.step()
+    engine.add("long", long_prompt, params)
+    kinds, firsts = [], {}
+    for step in range(2 * len(long_prompt) // engine.block + 4):
+        if step == 3:
+            engine.add("short", loaded.tokenizer("Paris is")["input_ids"], params)
+        result = engine.step()
+        kinds.append((result.kind, sorted(out.request_id for out in result.outputs)))
+        for out in result.outputs:
+            firsts.setdefault(out.request_id, step)
+    blocks = -(-len(long_prompt) // engine.block)
+    # Every other step decodes the running stream: the long prompt never holds it up for more than a block.
+    assert all(kind == "decode" and "running" in ids for kind, ids in kinds[::2])
+    assert sum(kind == "prefill" for kind, _ in kinds[:2 * blocks + 2]) == blocks + 1  # its blocks and the short
+    assert firsts["short"] < firsts["long"] == 2 * blocks + 1  # one more prefill step: the short one went first
+
+
+def test_cancelling_a_prompt_mid_prefill_leaves_its_group_mates_exact(loaded: LoadedModel) -> None:
+    engine = Engine(loaded, 16, prefix_bytes=0)
+    a, b = chat(loaded, QUESTIONS[0]), chat(loaded, QUESTIONS[2])
+    engine.add("a", a, SCORED)
+    engine.add("b", b, SCORED)
+    engine.step()
+    assert len(engine.prefills) == 1 and len(engine.prefilling) == 2 and engine.waiting_count == 2
+    assert engine.cancel("a") and not engine.cancel("a")
+    assert run(engine, {})["b"] == alone(loaded, b)
+
+
+def test_a_float_model_s_padded_cache_gives_a_hit_the_bits_of_a_miss() -> None:
+    """WORKER_QUANT=none (and CUDA) keep the left-padded cache and transformers' attention: still exact."""
+    fp32 = load_model(Settings(worker_threads=1, worker_quant="none"))
+    engine = Engine(fp32, 16)
+    assert not engine.ragged and engine.store is not None
+    first, second = chat(fp32, QUESTIONS[0]), chat(fp32, QUESTIONS[1])
+    # (Alone each: in float32 a padded batch's attention may round differently from a lone row's.)
+    assert run(engine, {0: [("first", first)]})["first"] == alone(fp32, first)
+    before = hit_tokens()
+    assert run(engine, {0: [("second", second)]})["second"] == alone(fp32, second)
+    assert hit_tokens() > before
+
+
+@dataclass(frozen=True)
+class Blob:
+    nbytes: int
+
+
+def test_the_store_is_bounded_in_bytes_and_evicts_a_chain_from_its_tail() -> None:
+    store = PrefixStore(capacity=100)
+    chain = block_digests(list(range(40)), 8)  # five blocks of one prompt
+    for index, digest in enumerate(chain):
+        store.put(digest, Blob(20), parents=chain[:index])  # as the engine does: each parent fresher
+    assert store.bytes == 100 and store.longest(chain) == 5
+    store.take(chain[:2])  # a hit on the first two: the parent is now fresher than its children
+    other = block_digests([7] * 16, 8)
+    store.put(other[0], Blob(30))
+    assert store.bytes <= 100 and store.longest(chain) == 3  # the tail went, the head stayed reachable
+    store.put(other[1], Blob(101))  # larger than the whole cache: not kept, nothing evicted for it
+    assert other[1] not in store and store.longest(chain) == 3
+
+
+def test_block_digests_name_every_token_up_to_the_block_end() -> None:
+    base = list(range(100))
+    digests = block_digests(base, 32)
+    assert len(digests) == 3  # whole blocks only
+    changed = block_digests([*base[:40], 999, *base[41:]], 32)
+    assert changed[0] == digests[0] and changed[1:] != digests[1:] and changed[2] != digests[2]
+    assert block_digests(base[32:64], 32)[0] != digests[1]  # the same tokens after another parent
+
+
+def test_held_prefixes_report_keys_whose_blocks_are_stored() -> None:
+    store: PrefixStore[Blob] = PrefixStore(capacity=1 << 20)
+    held = HeldPrefixes(store, block=8)
+    prompt = list(range(200))
+    keys = prefix_keys(Submit("r", SamplingParams(), prompt="x" * (TEXT_BLOCK * 4)))
+    held.remember(keys, prompt)
+    assert held.held() == []  # nothing stored yet
+    for digest in block_digests(prompt, 8):
+        store.put(digest, Blob(1))
+    assert sorted(held.held()) == sorted(key.key for key in keys)
+
+
+def test_text_keys_are_stable_chained_and_bounded() -> None:
+    def submit(prompt: str | None = None, messages: list[tuple[str, str]] | None = None) -> Submit:
+        return Submit("r", SamplingParams(), prompt=prompt,
+                      messages=[ChatMessage(r, c) for r, c in messages] if messages is not None else None)
+
+    text = "a" * (TEXT_BLOCK * 3 + 10)
+    keys = prefix_keys(submit(text))
+    assert len(keys) == 3
+    assert [k.key for k in keys] == [k.key for k in prefix_keys(submit(text + "another ending"))]
+    assert [round(k.share, 3) for k in keys] == [round(TEXT_BLOCK * i / len(text), 3) for i in (1, 2, 3)]
+    assert prefix_keys(submit("b" + text[1:]))[2].key != keys[2].key  # a change anywhere before changes it
+    assert len(prefix_keys(submit("z" * TEXT_BLOCK * (MAX_KEYS + 5)))) == MAX_KEYS
+    system = [("system", "You are a bakery's assistant."), ("user", "Hello?")]
+    chat_keys = prefix_keys(submit(messages=[*system[:1], ("user", "Open on Sunday?")]))
+    assert len(chat_keys) == 1
+    assert chat_keys[0].key == prefix_keys(submit(messages=[*system[:1], ("user", "Hi")]))[0].key
+    turn = prefix_keys(submit(messages=[*system, ("assistant", "Hello!"), ("user", "Rye?")]))
+    assert turn[0].key == chat_keys[0].key and len(turn) == 3
+    assert prefix_keys(submit(messages=[("user", "just one")])) == []
+    assert prefix_keys(submit(messages=[("system", "x" * TEXT_BLOCK), ("user", "q")]))[0].key != \
+        prefix_keys(submit(prompt="system\n" + "x" * TEXT_BLOCK + "\n" + "q" * TEXT_BLOCK))[0].key
+
+
+def test_a_heartbeat_carries_its_prefix_keys() -> None:
+    beat = Heartbeat("w", "m", 8192, 16, 0, 0, 0, 0.0, prefixes=[1, 2**63 - 1])
+    assert decode(encode(beat, 1 << 16), Heartbeat, 1 << 16).prefixes == [1, 2**63 - 1]
+    assert Heartbeat("w", "m", 8192, 16, 0, 0, 0, 0.0).prefixes == []
+
+
+def queued(rid: str, prompt: str, at: float = 0.0) -> Queued:
+    return Queued(Submit(rid, SamplingParams(), prompt=prompt, submitted_at=at, tenant=rid), rid.encode(), 100)
+
+
+SHARED = "s" * (TEXT_BLOCK * 4)
+
+
+def test_a_request_goes_to_the_worker_holding_its_prefix_when_it_has_room() -> None:
+    keys = queued("r", SHARED + "question").prefix_keys
+    holder = WorkerState("b", 16, assigned={f"x{i}": "t" for i in range(4)}, prefixes=frozenset(keys[:2]))
+    workers = [WorkerState("a", 16), holder]
+    assert choose(keys, {"a": 16, "b": 12}, {w.worker_id: w for w in workers}, 0.0) == "b"
+    # the deepest key wins among holders
+    deeper = WorkerState("c", 16, prefixes=frozenset(keys))
+    states = {w.worker_id: w for w in [*workers, deeper]}
+    assert choose(keys, {"a": 16, "b": 12, "c": 10}, states, 0.0) == "c"
+    # a holder with no room is never waited for, nor one far busier than the emptiest
+    assert choose(keys, {"a": 16}, states, 0.0) == "a"
+    assert choose(keys, {"a": 16, "b": 7}, states, 0.0) == "a"
+    # no keys, or nobody holding them: the emptiest, as before
+    assert choose((), {"a": 16, "b": 12}, states, 0.0) == "a"
+    assert choose((1, 2), {"a": 15, "b": 16}, states, 0.0) == "b"
+
+
+def test_a_burst_sharing_a_prefix_follows_its_first_request_then_spills_over() -> None:
+    queue = WaitingQueue()
+    for i in range(16):
+        queue.add(queued(f"r{i}", SHARED + f"question {i}", at=i))
+    workers = [WorkerState("a", 16), WorkerState("b", 16)]
+    batches = plan(queue, workers, 1 << 20, clock=100.0)
+    sizes = {worker_id: len(batch) for worker_id, batch in batches}
+    assert sizes == {"a": 9, "b": 7}  # a takes the burst while it has at least half b's room, then both hold it
+    assert all(w.holds(queued("n", SHARED + "new").prefix_keys, 100.0) for w in workers)
+    # what dispatch taught the scheduler expires, unless the heartbeat says so too
+    assert not workers[0].holds(queued("n", SHARED + "new").prefix_keys, 100.0 + EXPECTED_TTL + 1)
+
+
+def test_the_scheduler_remembers_a_bounded_number_of_dispatched_keys() -> None:
+    worker = WorkerState("a", 16)
+    for i in range(EXPECTED_LIMIT + 50):
+        worker.expect((i,), until=10.0)
+    assert len(worker.expected) == EXPECTED_LIMIT and worker.holds((EXPECTED_LIMIT + 49,), 0.0)
+    assert not worker.holds((0,), 0.0)
+
+
+def test_the_shared_prefix_workload_shares_one_text_and_sends_it_as_a_system_message() -> None:
+    jobs = make_jobs(3, Lengths("fixed", 10), Lengths("fixed", 4), seed=1, shared_tokens=1000)
+    assert len({job.shared for job in jobs}) == 1 and len({job.prompt for job in jobs}) == 3
+    assert len(jobs[0].shared.split()) == 998  # about one token per word
+    assert make_jobs(3, Lengths("fixed", 10), Lengths("fixed", 4), seed=1)[0].shared == ""
+    path, body = Target("http://x", "chat", "m").request(jobs[0], Sampling())
+    messages = msgspec.json.decode(body)["messages"]
+    assert path == "/v1/chat/completions" and messages == [{"role": "system", "content": jobs[0].shared},
+                                                           {"role": "user", "content": jobs[0].prompt}]
+    path, body = Target("http://x", "openai", "m").request(jobs[0], Sampling())
+    assert path == "/v1/completions" and msgspec.json.decode(body)["prompt"].startswith(jobs[0].shared)
+
+
+def test_a_worker_s_heartbeat_reports_the_prefixes_it_caches(stack: RunningStack) -> None:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[3]}]
+    with stack.client() as client:
+        response = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2,
+                                                               "temperature": 0})
+        assert response.status_code == 200, response.text
+        trace = client.get(f"/v1/requests/{response.headers['x-request-id']}/trace").json()
+    worker_id = next(e["detail"]["worker_id"] for e in trace["events"] if e["hop"] == "dispatched")
+    key = prefix_keys(Submit("r", SamplingParams(), messages=[ChatMessage(**m) for m in messages]))[0].key
+
+    def reported() -> bool:
+        raw = stack.redis.get(stack.keys.heartbeat(worker_id))
+        return raw is not None and key in decode(raw, Heartbeat, 1 << 20).prefixes
+
+    wait_for(reported, 10, "the prefix in the worker's heartbeat")

@@ -1,0 +1,118 @@
+"""The worker's prefix cache: the keys and values of prompt blocks, found again by the tokens up to their end.
+
+The engine prefills every prompt in blocks of `block` tokens at fixed boundaries from its first token, each
+block by a forward of the same shape (worker/engine.py). A block's keys and values then depend only on the
+tokens up to its end, so they are stored under a digest of those tokens (the block's own, chained onto its
+parent's), and a later prompt that starts with the same tokens takes its leading blocks from here and
+computes the rest exactly as it would have: a hit changes no bit of the output.
+
+Nothing here needs torch: a block is any value with `nbytes`, and the store is bounded by their sum.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Generic, Protocol, TypeVar
+
+from common.prefix import TextPrefix
+
+
+class Sized(Protocol):
+    @property
+    def nbytes(self) -> int: ...
+
+
+B = TypeVar("B", bound=Sized)
+
+
+def block_digests(tokens: Sequence[int], block: int) -> list[bytes]:
+    """One digest per whole block of `tokens`, each covering every token up to the block's end."""
+    digests, digest = [], b""
+    for start in range(0, len(tokens) - block + 1, block):
+        digest = hashlib.blake2b(digest + array("q", tokens[start:start + block]).tobytes(), digest_size=16).digest()
+        digests.append(digest)
+    return digests
+
+
+class PrefixStore(Generic[B]):
+    """Blocks by digest, bounded by `capacity` bytes; the least recently used block goes first. A prompt's
+    blocks are touched last-first, so a parent is always fresher than its children and eviction takes
+    chains from their tails: a block is never kept while the blocks needed to reach it are gone.
+    The heartbeat thread asks what is held while the engine's loop changes it: hence the lock."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.blocks: OrderedDict[bytes, B] = OrderedDict()
+        self.bytes = 0
+        self.lock = threading.Lock()
+
+    def __contains__(self, digest: bytes) -> bool:
+        with self.lock:
+            return digest in self.blocks
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def longest(self, digests: Sequence[bytes]) -> int:
+        """How many of `digests`, from the first, are held."""
+        with self.lock:
+            return next((i for i, digest in enumerate(digests) if digest not in self.blocks), len(digests))
+
+    def take(self, digests: Sequence[bytes]) -> list[B]:
+        """The blocks of `digests` (all held), marked used."""
+        with self.lock:
+            self._touch(digests)
+            return [self.blocks[digest] for digest in digests]
+
+    def put(self, digest: bytes, value: B, parents: Sequence[bytes] = ()) -> None:
+        """Store a block (`parents`: the digests of the blocks before it), then evict the least recently used
+        blocks until the rest fits."""
+        if value.nbytes > self.capacity:
+            return
+        with self.lock:
+            if digest not in self.blocks:
+                self.blocks[digest] = value
+                self.bytes += value.nbytes
+            self._touch([*parents, digest])
+            while self.bytes > self.capacity:
+                _, old = self.blocks.popitem(last=False)
+                self.bytes -= old.nbytes
+
+    def _touch(self, digests: Sequence[bytes]) -> None:
+        for digest in reversed(digests):
+            if digest in self.blocks:
+                self.blocks.move_to_end(digest)
+
+
+class HeldPrefixes:
+    """Which text keys (common/prefix.py) the worker's cache can serve, for its heartbeat. A key maps to the
+    digest of the last block its text covers (estimated from the key's share of the text, one block short to
+    be safe); it is held while that block is stored. Bounded: the oldest keys are forgotten first."""
+
+    def __init__(self, store: PrefixStore, block: int, limit: int = 4096) -> None:
+        self.store = store
+        self.block = block
+        self.limit = limit
+        self.keys: OrderedDict[int, bytes] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def remember(self, prefixes: list[TextPrefix], prompt_ids: Sequence[int]) -> None:
+        digests = block_digests(prompt_ids, self.block)
+        with self.lock:
+            for prefix in prefixes:
+                last = int(prefix.share * len(prompt_ids)) // self.block - 2
+                if 0 <= last < len(digests):
+                    self.keys[prefix.key] = digests[last]
+                    self.keys.move_to_end(prefix.key)
+            while len(self.keys) > self.limit:
+                self.keys.popitem(last=False)
+
+    def held(self, most: int = 512) -> list[int]:
+        """Up to `most` keys whose blocks are stored, the most recently admitted first."""
+        with self.lock:
+            entries = list(reversed(self.keys.items()))
+        return [key for key, digest in entries if digest in self.store][:most]
