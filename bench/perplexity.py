@@ -47,7 +47,7 @@ def log_probs(loaded: LoadedModel, window: list[int]) -> torch.Tensor:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--windows", type=int, default=96, help="windows of 512 tokens scored (0: all)")
+    parser.add_argument("--windows", type=int, default=0, help="windows of 512 tokens scored (0: all)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
 

