@@ -62,7 +62,8 @@ def _in_buffer(tensor: torch.Tensor) -> torch.Tensor:
     return buffer[:, :, :length]
 
 
-def _pad_left(tensor: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
+def pad_left(tensor: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
+    """`tensor` with zero columns before its entries along `dim`, up to `width`."""
     missing = width - tensor.shape[dim]
     if missing == 0:
         return tensor
@@ -184,8 +185,8 @@ def join(cache: DynamicCache, other: DynamicCache, width: int) -> None:
     over `other`'s buffers, which `other` must no longer use)."""
     if not is_ragged(cache):
         for mine, theirs in zip(cache.layers, other.layers, strict=True):
-            mine.keys = torch.cat([_pad_left(mine.keys, width, dim=2), _pad_left(theirs.keys, width, dim=2)])
-            mine.values = torch.cat([_pad_left(mine.values, width, dim=2), _pad_left(theirs.values, width, dim=2)])
+            mine.keys = torch.cat([pad_left(mine.keys, width, dim=2), pad_left(theirs.keys, width, dim=2)])
+            mine.values = torch.cat([pad_left(mine.values, width, dim=2), pad_left(theirs.values, width, dim=2)])
         return
     cache.layers[0].rows.lengths += other.layers[0].rows.lengths
     for mine, theirs in zip(cache.layers, other.layers, strict=True):

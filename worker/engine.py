@@ -31,7 +31,18 @@ from transformers import DynamicCache
 from common.protocol import SamplingParams, TokenLogprob
 from common.settings import Settings
 from worker import metrics
-from worker.cache import ROOM, all_plain, block, join, new_cache, row_cache, select_rows, stacked_cache, trim_left
+from worker.cache import (
+    ROOM,
+    all_plain,
+    block,
+    join,
+    new_cache,
+    pad_left,
+    row_cache,
+    select_rows,
+    stacked_cache,
+    trim_left,
+)
 from worker.core import PromptTooLong, StepKind, StepOutput, StepResult
 from worker.detokenizer import Detokenizer
 from worker.model import LoadedModel
@@ -88,7 +99,7 @@ class _Batch:
     def extend(self, other: _Batch) -> None:
         width = max(self.mask.shape[1], other.mask.shape[1])
         self.sequences += other.sequences
-        self.mask = torch.cat([_pad_left(self.mask, width), _pad_left(other.mask, width)])
+        self.mask = torch.cat([pad_left(self.mask, width), pad_left(other.mask, width)])
         join(self.cache, other.cache, width)
         self.last_tokens = torch.cat([self.last_tokens, other.last_tokens])
         self.positions = torch.cat([self.positions, other.positions])
@@ -101,14 +112,6 @@ def left_padded(prompts: list[list[int]], pad_id: int, device: torch.device | No
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     return ids, mask
-
-
-def _pad_left(tensor: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
-    missing = width - tensor.shape[dim]
-    if missing == 0:
-        return tensor
-    pad = [0, 0] * (tensor.dim() - dim - 1) + [missing, 0]
-    return F.pad(tensor, pad)
 
 
 @dataclass
