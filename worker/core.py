@@ -39,8 +39,17 @@ class StepResult:
     outputs: list[StepOutput] = field(default_factory=list)
 
 
+class PrefixRouting(Protocol):
+    """What an engine with a prefix cache tells the scheduler, through the heartbeat, about what it holds."""
+
+    def remember(self, keys: list, prompt_ids: list[int]) -> None: ...
+
+    def held(self) -> list[int]: ...
+
+
 class Engine(Protocol):
     slots: int
+    routing: PrefixRouting | None  # None: no prefix cache (ENGINE=sim, or the cache turned off)
 
     @property
     def running_count(self) -> int: ...

@@ -175,8 +175,7 @@ class Worker:
         pipe.execute()
 
     def _held_prefixes(self) -> list[int]:
-        routing = getattr(self.engine, "routing", None)
-        return routing.held() if routing is not None else []
+        return self.engine.routing.held() if self.engine.routing is not None else []
 
     def _read_inbox(self, block: bool) -> None:
         wait_ms = int(self.settings.heartbeat_interval * 1000) if block else None
@@ -242,9 +241,8 @@ class Worker:
             return
         prompt_ids = self.loaded.prompt_ids(submit)
         self.engine.add(submit.request_id, prompt_ids, submit.params, submit.resume)
-        routing = getattr(self.engine, "routing", None)  # the model engine's prefix cache, when it has one
-        if routing is not None:
-            routing.remember(prefix_keys(submit), prompt_ids)
+        if self.engine.routing is not None:
+            self.engine.routing.remember(prefix_keys(submit), prompt_ids)
 
     def _complete(self, submit: Submit) -> None:
         """A migrated request whose tokens were all delivered: only its Done went missing."""

@@ -55,6 +55,7 @@ class SimEngine:
     """The Engine's interface, with a sleep for a forward pass."""
 
     cache_positions = 0
+    routing = None
 
     def __init__(self, model: SimModel, slots: int, step_s: float, per_sequence_s: float,
                  static: bool = False) -> None:
