@@ -36,11 +36,32 @@ class SamplingParams(msgspec.Struct, frozen=True):
     logprobs: int | None = None
     # (token id, bias) pairs added to the row's logits before sampling; a bias of -100 or less bans the token.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # An llguidance grammar (common/grammar.py) every token must keep to; empty: none.
+    grammar: str = ""
+
+
+class ToolCall(msgspec.Struct, frozen=True):
+    """A function call an assistant made earlier in the conversation; `arguments` is JSON text."""
+
+    id: str
+    name: str
+    arguments: str
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    # For a tool's answer: the call it answers.
+    tool_call_id: str = ""
+
+
+class Tool(msgspec.Struct, frozen=True):
+    """A function the model may call: `parameters` is its JSON schema, as text."""
+
+    name: str
+    description: str = ""
+    parameters: str = "{}"
 
 
 class Submit(msgspec.Struct, tag="submit"):
@@ -50,6 +71,8 @@ class Submit(msgspec.Struct, tag="submit"):
     params: SamplingParams
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    # Functions the chat template (or common/toolcalls.py's prompt, for a template without tools) offers.
+    tools: list[Tool] = msgspec.field(default_factory=list)
     submitted_at: float = 0.0
     # Epoch seconds after which a request still waiting in the queue is dropped (0: never).
     deadline: float = 0.0
@@ -71,6 +94,33 @@ class Batch(msgspec.Struct, tag="batch"):
 
     batch_id: str
     sequences: list[Submit]
+
+
+class Tokenize(msgspec.Struct, tag="tokenize"):
+    """Asks one worker for the token ids of a prompt, or of a conversation through its chat template, as a
+    request would be given them; answered with Tokens (or an Error) on the request's results channel."""
+
+    request_id: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[Tool] = msgspec.field(default_factory=list)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    with_strings: bool = False
+
+
+class Detokenize(msgspec.Struct, tag="detokenize"):
+    """Asks one worker for the text of token ids; answered like Tokenize."""
+
+    request_id: str
+    tokens: list[int]
+
+
+class Tokens(msgspec.Struct, tag="tokens"):
+    tokens: list[int] = msgspec.field(default_factory=list)
+    strings: list[str] | None = None  # each token's own text, when asked for
+    text: str = ""  # a Detokenize's answer
+    context: int = 0  # the model's context, in tokens
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
@@ -150,6 +200,8 @@ class StreamMeta(msgspec.Struct, tag="stream"):
     # may resume it.
     tenant: str = ""
     keyed: bool = False
+    # Chat answers are read for tool calls (common/toolcalls.py), which go out as `tool_calls`.
+    tool_calls: bool = False
 
 
 class TraceEvent(msgspec.Struct, array_like=True):
@@ -162,8 +214,10 @@ class TraceEvent(msgspec.Struct, array_like=True):
 
 
 RequestMessage = Submit | Cancel
-InboxMessage = Batch | Cancel
+InboxMessage = Batch | Cancel | Tokenize | Detokenize
 Result = Token | Done | Error
+# What a worker answers a Tokenize or a Detokenize with.
+Reply = Tokens | Error
 WorkerEvent = Finished | Handoff
 
 _encoder = msgspec.msgpack.Encoder()

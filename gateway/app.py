@@ -10,7 +10,7 @@ from fastapi import FastAPI
 
 from common.settings import Settings
 from common.telemetry import setup_logging
-from gateway import errors, observe, openai_api, page, resume, routes
+from gateway import errors, observe, openai_api, page, resume, routes, tokenize
 from gateway.bus import Bus
 from gateway.connection import HeadLimits, limited_protocol
 from gateway.metrics import CountRequests
@@ -31,6 +31,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(routes.router)
     app.include_router(openai_api.router)
     app.include_router(resume.router)
+    app.include_router(tokenize.router)
     app.include_router(observe.router)
     app.include_router(page.router)
     keys = [key.strip() for key in settings.api_keys.split(",") if key.strip()]

@@ -13,9 +13,11 @@ from redis.asyncio.client import Pipeline
 
 from common.errors import ErrorCode
 from common.protocol import (
+    INBOX_MAXLEN,
     PAYLOAD,
     REQUEST_STREAM_MAXLEN,
     Cancel,
+    Detokenize,
     Error,
     Heartbeat,
     Keys,
@@ -24,6 +26,7 @@ from common.protocol import (
     StreamMeta,
     Submit,
     Token,
+    Tokenize,
     TraceEvent,
     decode,
     encode,
@@ -303,6 +306,11 @@ class Bus:
         for rid in request_ids:
             self._stamp(pipe, rid, hop, **detail)
         await pipe.execute()
+
+    async def tell(self, worker_id: str, message: Tokenize | Detokenize) -> None:
+        """A question for one worker (not a request: the scheduler has no part in it), into its inbox."""
+        await self.redis.xadd(self.keys.inbox(worker_id), {PAYLOAD: encode(message, self.limit)},
+                              maxlen=INBOX_MAXLEN, approximate=True)
 
     # What the watching routes read.
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from common import toolcalls
 from common.protocol import Done, Error, StreamMeta, Token
 from gateway.sse import COMPLETE, MEDIA_TYPE, SSE_HEADERS, sse
 from gateway.streams import ResultStream, api_error
@@ -57,9 +58,15 @@ async def seed_events(stream: ResultStream) -> AsyncIterator[bytes]:
 
 @dataclass(frozen=True)
 class Shape:
-    """What a text completion and a chat completion write differently."""
+    """What a text completion and a chat completion write differently; a chat answer that may call tools is
+    read for its calls (common/toolcalls.py)."""
 
     chat: bool
+    tool_calls: bool = False
+
+    @classmethod
+    def of(cls, meta: StreamMeta) -> Shape:
+        return cls(meta.api == "chat", meta.api == "chat" and meta.tool_calls)
 
     @property
     def object(self) -> str:
@@ -77,21 +84,37 @@ class Shape:
         return {"id": self.answer_id(meta.request_ids[0]), "object": self.chunk_object, "created": meta.created,
                 "model": meta.model}
 
-    def choice(self, index: int, text: str, tokens: list[Token], finish: str | None) -> dict[str, object]:
+    def choice(self, index: int, tokens: list[Token], finish: str, request_id: str) -> dict[str, object]:
+        """A whole answer's choice."""
+        text = "".join(t.text for t in tokens)
         body: dict[str, object] = {"index": index}
-        if self.chat:
-            body["message"] = {"role": "assistant", "content": text}
-        else:
+        if not self.chat:
             body["text"] = text
+        elif self.tool_calls:
+            parser = toolcalls.CallParser()
+            answer = toolcalls.parse(parser.feed(text) + parser.finish())
+            body["message"] = {"role": "assistant", "content": answer.content}
+            if answer.calls:
+                body["message"]["tool_calls"] = [
+                    {"id": toolcalls.call_id(request_id, i), "type": "function",
+                     "function": {"name": name, "arguments": arguments}}
+                    for i, (name, arguments) in enumerate(answer.calls)]
+                finish = "tool_calls" if finish == "stop" else finish
+        else:
+            body["message"] = {"role": "assistant", "content": text}
         return {**body, "logprobs": self.logprobs(tokens), "finish_reason": finish}
 
-    def delta(self, index: int, token: Token | None, first: bool, finish: str | None) -> dict[str, object]:
+    def delta(self, index: int, token: Token | None, first: bool, finish: str | None,
+              calls: ToolDeltas | None = None) -> dict[str, object]:
         tokens = [token] if token else []
         text = token.text if token else ""
         if not self.chat:
             return {"index": index, "text": text, "logprobs": self.logprobs(tokens), "finish_reason": finish}
-        delta: dict[str, str] = {"role": "assistant"} if first else {}
-        if token:
+        delta: dict[str, object] = {"role": "assistant"} if first else {}
+        if calls is not None:
+            delta.update(calls.delta(text, ended=token is None))
+            finish = "tool_calls" if finish == "stop" and calls.parser.started else finish
+        elif token:
             delta["content"] = text
         return {"index": index, "delta": delta, "logprobs": self.logprobs(tokens), "finish_reason": finish}
 
@@ -110,6 +133,34 @@ class Shape:
         return {"tokens": [t.logprob.token for t in scored], "token_logprobs": [t.logprob.logprob for t in scored],
                 "top_logprobs": [{a.token: a.logprob for a in t.top_logprobs or []} for t in scored],
                 "text_offset": offsets}
+
+
+@dataclass
+class ToolDeltas:
+    """One choice's text read for tool calls, as the deltas OpenAI streams: content, or `tool_calls` entries
+    (the first of a call with its id and name, then pieces of its arguments). Everything one token adds goes
+    in one delta, so that one event id stands for it whole."""
+
+    request_id: str
+    parser: toolcalls.CallParser
+
+    def delta(self, text: str, ended: bool = False) -> dict[str, object]:
+        events = self.parser.feed(text) + (self.parser.finish() if ended else [])
+        delta: dict[str, object] = {}
+        content = "".join(e.text for e in events if isinstance(e, toolcalls.Content))
+        if content:
+            delta["content"] = content
+        entries: dict[int, dict] = {}
+        for event in events:
+            if isinstance(event, toolcalls.CallStart):
+                entries[event.index] = {"index": event.index, "id": toolcalls.call_id(self.request_id, event.index),
+                                        "type": "function", "function": {"name": event.name, "arguments": ""}}
+            elif isinstance(event, toolcalls.Arguments):
+                entry = entries.setdefault(event.index, {"index": event.index, "function": {"arguments": ""}})
+                entry["function"]["arguments"] += event.text
+        if entries:
+            delta["tool_calls"] = list(entries.values())
+        return delta
 
 
 def _chat_logprob(token: str, logprob: float) -> dict[str, object]:
@@ -146,22 +197,34 @@ async def chunk_events(stream: ResultStream, shape: Shape, meta: StreamMeta,
     the usage so far); the first error ends it. Then the usage chunk, if asked for, also when the stream ended
     early (cancelled or failed): billing sees every token generated; and `data: [DONE]`, written together."""
     head = shape.head(meta)
+    calls = _tool_deltas(stream) if shape.tool_calls else None
     async for choice, result in stream:
         if isinstance(result, Error):
             yield stream.preamble() + sse(api_error(result).body(), event_id=stream.current_id)
             break
         first = stream.is_first(choice, result)
+        reader = calls[choice] if calls else None
         if isinstance(result, Token):
-            if result.text or result.logprob is not None or first:
-                yield _chunk(stream, head, shape.delta(choice, result, first, None), continuous_usage, meta.n)
+            delta = shape.delta(choice, result, first, None, reader)
+            says = bool(delta["delta"]) if reader else bool(result.text)
+            if says or result.logprob is not None or first:
+                yield _chunk(stream, head, delta, continuous_usage, meta.n)
         else:
-            yield _chunk(stream, head, shape.delta(choice, None, first, result.finish_reason), continuous_usage,
-                         meta.n)
+            yield _chunk(stream, head, shape.delta(choice, None, first, result.finish_reason, reader),
+                         continuous_usage, meta.n)
     last = stream.preamble()
     if meta.include_usage:
         last += sse({**head, "choices": [], "usage": _final_usage(stream, meta.n)}, event_id=stream.current_id)
     yield last + sse("[DONE]", event_id=COMPLETE)
     stream.sent_all = True
+
+
+def _tool_deltas(stream: ResultStream) -> list[ToolDeltas]:
+    """A reader per choice, brought up to where the client stands by the text it already has (a resume)."""
+    readers = [ToolDeltas(rid, toolcalls.CallParser()) for rid in stream.request_ids]
+    for reader, earlier in zip(readers, stream.earlier, strict=True):
+        reader.parser.feed("".join(token.text for token in earlier))
+    return readers
 
 
 def _final_usage(stream: ResultStream, n: int) -> dict[str, int]:

@@ -31,6 +31,8 @@ class Mailbox:
     # Bytes held before the request counts as abandoned; 0: no bound.
     limit: int = 0
     on_overflow: Callable[[], None] | None = None
+    # What its results decode as: a generation's Results, or a worker's Reply (tokenize).
+    kind: object = Result
     overflowed: bool = False
     data: bytearray = field(default_factory=bytearray)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
@@ -58,7 +60,7 @@ class Mailbox:
             payload = bytes(self.data[FRAME.size:FRAME.size + size])
             del self.data[:FRAME.size + size]
             try:
-                return choice, decode(payload, Result, self.message_limit)
+                return choice, decode(payload, self.kind, self.message_limit)
             except ProtocolError as exc:
                 log.error("dropped a malformed result", extra={"request_id": self.request_ids[choice],
                                                                "error": str(exc)})

@@ -15,6 +15,7 @@ from common.errors import ErrorCode
 from common.protocol import Submit, Token
 from gateway import metrics
 from gateway.bus import Bus
+from gateway.constraints import constraint_of
 from gateway.errors import ApiError
 from gateway.formats import EventResponse, Shape, chunk_events, usage
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, OpenAIFields
@@ -46,13 +47,16 @@ async def _prepare(request: Request, body: OpenAIFields, prompts: list[str | Non
     # The rest of this request's task, its stream included, counts its metrics under its model.
     metrics.MODEL_NAME.set(body.model)
     messages = chat.chat_messages() if chat else None
-    return await submits_for(request, body, prompts, body.n, messages, logprobs)
+    constraint = await constraint_of(body)
+    return await submits_for(request, body, prompts, body.n, messages, logprobs, constraint.grammar,
+                             constraint.tools)
 
 
-async def _respond(request: Request, body: OpenAIFields, shape: Shape, submits: list[Submit]) -> Response:
+async def _respond(request: Request, body: OpenAIFields, chat: bool, submits: list[Submit]) -> Response:
     bus = bus_of(request)
-    meta = stream_meta(request, submits, "chat" if shape.chat else "completion", body.model, body.n,
+    meta = stream_meta(request, submits, "chat" if chat else "completion", body.model, body.n,
                        body.include_usage())
+    shape = Shape.of(meta)
     if body.stream:
         stream = await start(bus, request, submits, meta, stop_on_error=True)
         return EventResponse(stream, chunk_events(stream, shape, meta, body.continuous_usage()))
@@ -62,7 +66,7 @@ async def _respond(request: Request, body: OpenAIFields, shape: Shape, submits: 
         tokens = [r for r in results if isinstance(r, Token)]
         done = results[-1]
         dones.append(done)
-        choices.append(shape.choice(index, "".join(t.text for t in tokens), tokens, done.finish_reason))
+        choices.append(shape.choice(index, tokens, done.finish_reason, submits[index].request_id))
     return JSONResponse({**shape.head(meta), "object": shape.object, "choices": choices,
                          "usage": usage(dones, body.n)}, headers={"X-Request-Id": meta.request_ids[0]})
 
@@ -70,11 +74,11 @@ async def _respond(request: Request, body: OpenAIFields, shape: Shape, submits: 
 @router.post("/completions", summary="OpenAI text completions, streamed or whole")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     submits = await _prepare(request, body, body.prompt_list(), body.logprobs)
-    return await _respond(request, body, Shape(chat=False), submits)
+    return await _respond(request, body, False, submits)
 
 
 @router.post("/chat/completions", summary="OpenAI chat completions, streamed or whole")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     submits = await _prepare(request, body, [None], logprobs, chat=body)
-    return await _respond(request, body, Shape(chat=True), submits)
+    return await _respond(request, body, True, submits)

@@ -24,7 +24,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from common.errors import ErrorCode
-from common.protocol import Error, Keys
+from common.protocol import Error, Keys, Result
 from gateway.mailbox import Mailbox
 
 log = logging.getLogger("gateway")
@@ -82,15 +82,15 @@ class ResultRouter:
                 await self.pump
 
     @asynccontextmanager
-    async def open(self, request_ids: list[str], on_overflow: Callable[[], None] | None = None
-                   ) -> AsyncIterator[Mailbox]:
+    async def open(self, request_ids: list[str], on_overflow: Callable[[], None] | None = None,
+                   kind: object = Result) -> AsyncIterator[Mailbox]:
         """Subscribe to each request's channel and wait until Redis confirms them all, so
         that nothing published after this returns can be missed. `on_overflow` is called
         (from the pump) if the mailbox overflows because its reader stopped taking results."""
         if self.writer is None:
             raise RedisConnectionError("no connection to Redis")
         channels = [self.keys.results(rid).encode() for rid in request_ids]
-        mailbox = Mailbox(request_ids, self.limit, self.buffer_bytes, on_overflow)
+        mailbox = Mailbox(request_ids, self.limit, self.buffer_bytes, on_overflow, kind)
         loop = asyncio.get_running_loop()
         for choice, channel in enumerate(channels):
             self.routes[channel] = (mailbox, choice)

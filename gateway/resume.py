@@ -66,7 +66,7 @@ async def resume(request: Request, request_id: str,
         await stream.let_go()
         raise
     metrics.RESUMED.inc()
-    events = seed_events(stream) if meta.api == "seed" else chunk_events(stream, Shape(meta.api == "chat"), meta)
+    events = seed_events(stream) if meta.api == "seed" else chunk_events(stream, Shape.of(meta), meta)
     return EventResponse(stream, events)
 
 

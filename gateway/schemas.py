@@ -3,13 +3,14 @@ OpenAI routes share one set of sampling fields; only their defaults differ."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from common.errors import ErrorCode
-from common.protocol import ChatMessage, SamplingParams, Submit, now
+from common.protocol import ChatMessage, SamplingParams, Submit, Tool, ToolCall, now
 from gateway.errors import ApiError
 
 MAX_STOP_STRINGS = 4
@@ -93,20 +94,23 @@ class SamplingFields(BaseModel):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
-    def sampling(self, seed_offset: int = 0, logprobs: int | None = None) -> SamplingParams:
+    def sampling(self, seed_offset: int = 0, logprobs: int | None = None, grammar: str = "") -> SamplingParams:
         return SamplingParams(
             max_tokens=self.max_tokens or UNTIL_CONTEXT_ENDS, temperature=self.temperature, top_p=self.top_p,
             top_k=max(self.top_k, 0),
             seed=None if self.seed is None else (self.seed + seed_offset) % 2**63, ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, stop=self.stop_strings(), presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, logprobs=logprobs, logit_bias=self.token_biases())
+            frequency_penalty=self.frequency_penalty, logprobs=logprobs, logit_bias=self.token_biases(),
+            grammar=grammar)
 
     def submit(self, prompt: str | None = None, messages: list[ChatMessage] | None = None, seed_offset: int = 0,
-               logprobs: int | None = None, queue_timeout: float = 0.0) -> Submit:
+               logprobs: int | None = None, queue_timeout: float = 0.0, grammar: str = "",
+               tools: list[Tool] | None = None) -> Submit:
         submitted = now()
         wait = self.timeout or queue_timeout
-        return Submit(new_request_id(), self.sampling(seed_offset, logprobs), prompt=prompt, messages=messages,
-                      submitted_at=submitted, deadline=submitted + wait if wait else 0.0)
+        return Submit(new_request_id(), self.sampling(seed_offset, logprobs, grammar), prompt=prompt,
+                      messages=messages, tools=tools or [], submitted_at=submitted,
+                      deadline=submitted + wait if wait else 0.0)
 
 
 class GenerateRequest(SamplingFields):
@@ -135,6 +139,43 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+JsonValue = dict | bool  # a JSON schema: an object, or true / false
+
+
+class JsonSchemaFormat(BaseModel):
+    name: Text = Field("response", max_length=64)
+    description: Text | None = None
+    # `schema` would shadow a BaseModel attribute.
+    json_schema: JsonValue = Field(..., alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: free text, any JSON object, or JSON that keeps to a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("'json_schema' is required when the type is 'json_schema'")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: one of a JSON schema, a regular expression, a choice of strings, a Lark (or
+    GBNF) grammar, or any JSON object."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    json_: JsonValue | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = Field(None, min_length=1, max_length=MAX_PROMPTS)
+    grammar: Text | None = None
+    json_object: bool | None = None
+
+
 class OpenAIFields(SamplingFields):
     """Fields of both OpenAI routes. Unknown fields are ignored, as OpenAI clients send extras."""
 
@@ -149,6 +190,13 @@ class OpenAIFields(SamplingFields):
     top_k: int = Field(-1, ge=-1, le=MAX_TOKENS, description="0 or -1 turns top-k off (an extension, as in "
                        "vLLM); at most the vocabulary.")
     user: Text | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's older spellings of structured_outputs' fields.
+    guided_json: JsonValue | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = Field(None, min_length=1, max_length=MAX_PROMPTS)
+    guided_grammar: Text | None = None
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -191,12 +239,43 @@ class ContentPart(BaseModel):
 TEXT_PARTS = {"text": "text", "refusal": "refusal"}
 
 
+class CalledFunction(BaseModel):
+    name: Text = Field(..., min_length=1, max_length=64)
+    arguments: Text = Field("{}", description="JSON text, as the model wrote it.")
+
+
+class MessageToolCall(BaseModel):
+    """A call an assistant message made, quoted back in the conversation."""
+
+    id: Text = Field(..., max_length=256)
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatRequestMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Text | list[ContentPart]
+    content: Text | list[ContentPart] | None = None
+    tool_calls: list[MessageToolCall] | None = Field(None, max_length=MAX_PROMPTS)
+    tool_call_id: Text | None = Field(None, max_length=256)
+    name: Text | None = Field(None, max_length=256)
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> ChatRequestMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("'content' is required, except for an assistant message with 'tool_calls'")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry 'tool_calls'")
+        return self
+
+    def message(self, param: str) -> ChatMessage:
+        calls = tuple(ToolCall(c.id, c.function.name, _json_text(c.function.arguments, f"{param}.tool_calls"))
+                      for c in self.tool_calls or [])
+        return ChatMessage(self.role, self.text(f"{param}.content"), calls, self.tool_call_id or "")
 
     def text(self, param: str) -> str:
         """The content as one string: text parts joined by newlines (as vLLM does). `param` names the field."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         texts = []
@@ -210,8 +289,36 @@ class ChatRequestMessage(BaseModel):
         return "\n".join(texts)
 
 
+class FunctionDefinition(BaseModel):
+    name: Text = Field(..., pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: Text | None = None
+    parameters: dict | None = Field(None, description="A JSON schema of the arguments; none: no arguments.")
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def tool(self) -> Tool:
+        parameters = self.function.parameters if self.function.parameters is not None else NO_ARGUMENTS
+        return Tool(self.function.name, self.function.description or "", json.dumps(parameters))
+
+
+class FunctionName(BaseModel):
+    name: Text
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(OpenAIFields):
     messages: list[ChatRequestMessage] = Field(..., min_length=1)
+    tools: list[ToolDefinition] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, description="Deprecated by OpenAI; "
                                    "max_completion_tokens wins.")
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
@@ -232,8 +339,34 @@ class ChatCompletionRequest(OpenAIFields):
             raise ValueError("'top_logprobs' needs 'logprobs': true")
         return self
 
+    @model_validator(mode="after")
+    def _tools_known(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) < len(names):
+            raise ValueError("tool names must be distinct")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names '{self.tool_choice.function.name}', which is not among 'tools'")
+        if self.tool_choice in ("required",) and not names:
+            raise ValueError("tool_choice 'required' needs 'tools'")
+        return self
+
     def chat_messages(self) -> list[ChatMessage]:
-        return [ChatMessage(m.role, m.text(f"messages[{i}].content")) for i, m in enumerate(self.messages)]
+        return [m.message(f"messages[{i}]") for i, m in enumerate(self.messages)]
+
+    def calls_tools(self) -> bool:
+        """Whether the answer may hold tool calls (tools given, and tool_choice not 'none')."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def _json_text(text: str, param: str) -> str:
+    try:
+        json.loads(text)
+    except ValueError:
+        raise ApiError.of(ErrorCode.INVALID_VALUE, "a tool call's arguments must be JSON text", param) from None
+    return text
 
 
 def new_request_id() -> str:

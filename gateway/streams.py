@@ -77,6 +77,9 @@ class ResultStream:
         self.tokens = [0] * choices  # tokens seen of each choice, delivered or not: where its end falls
         self.ended = [False] * choices
         self.delivered_end = [False] * choices
+        # The tokens of each choice the client had before this stream began (a resume): formats that read the
+        # text as a whole (tool calls) pick up from them.
+        self.earlier: list[list[Token]] = [[] for _ in range(choices)]
         self.dones: dict[int, Done] = {}
         self.errors: dict[int, Error] = {}
         # An OpenAI stream ends with its first error, which a resumed client may have had already.
@@ -159,6 +162,8 @@ class ResultStream:
             for result in results:
                 if self._accept(choice, result):
                     self.backlog.append((choice, result, self.event_id()))
+                elif isinstance(result, Token) and result.index == len(self.earlier[choice]) < self.next[choice]:
+                    self.earlier[choice].append(result)
         if self.stop_on_error and self.stale_error:
             self.backlog.clear()
 

@@ -9,7 +9,7 @@ import time
 from fastapi import Request
 
 from common.errors import ErrorCode
-from common.protocol import ChatMessage, Heartbeat, StreamMeta, Submit
+from common.protocol import ChatMessage, Heartbeat, StreamMeta, Submit, Tool
 from gateway.bus import Bus
 from gateway.errors import ApiError
 from gateway.schemas import SamplingFields
@@ -27,14 +27,16 @@ def tenant_of(request: Request) -> str | None:
 
 
 async def submits_for(request: Request, body: SamplingFields, prompts: list[str | None], choices: int = 1,
-                      messages: list[ChatMessage] | None = None, logprobs: int | None = None) -> list[Submit]:
+                      messages: list[ChatMessage] | None = None, logprobs: int | None = None, grammar: str = "",
+                      tools: list[Tool] | None = None) -> list[Submit]:
     """One Submit per prompt and choice, each with its own request_id (choice i samples with seed + i),
     all of one tenant: the digest of the API key that authorised the request, or else the request's
     first request_id."""
     bus = bus_of(request)
     check_engine_bounds(await bus.live_workers(), body)
     submits = [body.submit(prompt=p, messages=messages, seed_offset=i, logprobs=logprobs,
-                           queue_timeout=bus.settings.queue_timeout) for p in prompts for i in range(choices)]
+                           queue_timeout=bus.settings.queue_timeout, grammar=grammar, tools=tools)
+               for p in prompts for i in range(choices)]
     tenant = tenant_of(request) or submits[0].request_id
     for submit in submits:
         submit.tenant = tenant
@@ -46,7 +48,8 @@ async def submits_for(request: Request, body: SamplingFields, prompts: list[str 
 def stream_meta(request: Request, submits: list[Submit], api: str, model: str = "", n: int = 1,
                 include_usage: bool = False) -> StreamMeta:
     return StreamMeta(api, [s.request_id for s in submits], model=model, n=n, created=int(time.time()),
-                      include_usage=include_usage, tenant=submits[0].tenant, keyed=tenant_of(request) is not None)
+                      include_usage=include_usage, tenant=submits[0].tenant, keyed=tenant_of(request) is not None,
+                      tool_calls=bool(submits[0].tools))
 
 
 def check_engine_bounds(workers: list[Heartbeat], body: SamplingFields) -> None:

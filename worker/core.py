@@ -7,7 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from common.protocol import SamplingParams, Submit, TokenLogprob
+# What Engine.add raises, besides PromptTooLong, for a grammar it cannot enforce.
+from common.grammar import GrammarError as GrammarError
+from common.protocol import Detokenize, SamplingParams, Submit, Tokenize, TokenLogprob, Tokens
 
 StepKind = Literal["prefill", "decode", "idle"]
 
@@ -82,3 +84,6 @@ class Model(Protocol):
     def vocab(self) -> int: ...
 
     def prompt_ids(self, submit: Submit) -> list[int]: ...
+
+    def answer(self, job: Tokenize | Detokenize) -> Tokens:
+        """The token ids of a prompt or conversation, or the text of token ids."""

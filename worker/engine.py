@@ -45,6 +45,7 @@ from worker.cache import (
 )
 from worker.core import PromptTooLong, StepKind, StepOutput, StepResult
 from worker.detokenizer import Detokenizer
+from worker.grammar import LLMatcher
 from worker.model import LoadedModel
 from worker.prefix import HeldPrefixes, PrefixStore, block_digests
 from worker.quant import takes_rows_alone
@@ -64,6 +65,7 @@ class Sequence:
     stops: StopMatcher | None
     digests: list[bytes] = field(default_factory=list)  # of the prompt's whole blocks, for the prefix cache
     output_ids: list[int] = field(default_factory=list)
+    matcher: LLMatcher | None = None  # the grammar its tokens keep to, if any
 
     def watches_stops(self) -> bool:
         """Stop strings count only once `min_tokens` are out, as in vLLM."""
@@ -220,7 +222,9 @@ class Engine:
         sequence = Sequence(request_id, prompt_ids, params, Detokenizer(self.loaded.tokenizer, prompt_ids),
                             new_generator(params, self.loaded.device),
                             StopMatcher(params.stop) if any(params.stop) else None,
-                            block_digests(prompt_ids, self.block) if self.store is not None else [])
+                            block_digests(prompt_ids, self.block) if self.store is not None else [],
+                            matcher=self.loaded.grammars.matcher(params.grammar, resume or [])
+                            if params.grammar else None)
         for token in resume or []:
             # Replaying the delivered tokens leaves any held-back text (a partial character, the start
             # of a stop string) exactly as the lost worker had it.
@@ -444,11 +448,12 @@ class Engine:
         is sampled alone (rows are independent, so the picks are the same), and only rows that raise get None."""
         eos = self.loaded.eos_token_ids
         banned = [eos if s.params.ignore_eos or len(s.output_ids) < s.params.min_tokens else [] for s in sequences]
+        allowed = self._allowed(sequences)
 
         def pick(rows: slice) -> list[tuple[int, Logprobs | None]]:
             chosen = sequences[rows]
             tokens, logprobs = sample(logits[rows], [s.params for s in chosen], [s.generator for s in chosen],
-                                      banned[rows], [s.output_ids for s in chosen])
+                                      banned[rows], [s.output_ids for s in chosen], allowed[rows])
             return list(zip(tokens, logprobs, strict=True))
 
         try:
@@ -464,6 +469,17 @@ class Engine:
                 picks.append(None)
         return picks
 
+    def _allowed(self, sequences: list[Sequence]) -> list[torch.Tensor | None]:
+        """Each constrained row's allowed tokens (None for a free row). A matcher that has failed allows
+        nothing; its row then fails when its token is checked."""
+        rows = [row for row, s in enumerate(sequences) if s.matcher is not None]
+        allowed: list[torch.Tensor | None] = [None] * len(sequences)
+        if rows:
+            masks = self.loaded.grammars.allowed([sequences[row].matcher for row in rows]).to(self.loaded.device)
+            for i, row in enumerate(rows):
+                allowed[row] = masks[i]
+        return allowed
+
     def _emit_or_fail(self, sequence: Sequence, pick: tuple[int, Logprobs | None] | None) -> StepOutput:
         """The row's StepOutput; a row whose token cannot be chosen or turned into text fails alone."""
         try:
@@ -478,8 +494,13 @@ class Engine:
         """Append `token` to `sequence` and say what it adds: its text, less any held back for a possible
         stop string, and why the sequence ends, if it does."""
         sequence.output_ids.append(token)
+        if sequence.matcher is not None and token not in self.loaded.eos_token_ids \
+                and not sequence.matcher.consume_token(token):
+            raise ValueError(f"the grammar refused the token: {sequence.matcher.get_error()}")
         reason = self._finish_reason(sequence, token)
-        text = "" if reason == "stop" else sequence.detokenizer.push(token)
+        # An end-of-sequence token that ends the text adds none; a grammar's last token does.
+        ended_by_eos = reason == "stop" and token in self.loaded.eos_token_ids
+        text = "" if ended_by_eos else sequence.detokenizer.push(token)
         if sequence.watches_stops():
             # On the last token nothing stays held: text that waited on a stop string goes out with it.
             text, stopped = sequence.stops.push(text, last=reason is not None)
@@ -496,8 +517,10 @@ class Engine:
         return TokenLogprob(decode([token]), logprobs.chosen), top
 
     def _finish_reason(self, sequence: Sequence, token: int) -> str | None:
-        if token in self.loaded.eos_token_ids and not sequence.params.ignore_eos:
+        if token in self.loaded.eos_token_ids and (not sequence.params.ignore_eos or sequence.matcher is not None):
             return "stop"
+        if sequence.matcher is not None and sequence.matcher.is_stopped():
+            return "stop"  # the grammar is complete and allows nothing more
         if len(sequence.output_ids) >= sequence.params.max_tokens:
             return "length"
         if len(sequence.prompt_ids) + len(sequence.output_ids) >= self.loaded.max_length:

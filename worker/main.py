@@ -19,6 +19,7 @@ from common.protocol import (
     PAYLOAD,
     Batch,
     Cancel,
+    Detokenize,
     Done,
     Error,
     Finished,
@@ -28,6 +29,8 @@ from common.protocol import (
     Keys,
     Submit,
     Token,
+    Tokenize,
+    Tokens,
     encode,
     now,
 )
@@ -37,7 +40,7 @@ from common.settings import Settings
 from common.telemetry import serve_metrics, setup_logging
 from common.trace import stamp
 from worker import metrics, vllm_metrics
-from worker.core import Engine, Model, PromptTooLong, StepOutput, StepResult
+from worker.core import Engine, GrammarError, Model, PromptTooLong, StepOutput, StepResult
 from worker.sim import SimEngine, SimModel
 
 log = logging.getLogger("worker")
@@ -188,8 +191,10 @@ class Worker:
                                          "a malformed inbox message", entry=entry_id)
                 if isinstance(message, Batch):
                     self._admit(message)
-                elif message is not None:
+                elif isinstance(message, Cancel):
                     self._cancel(message)
+                elif message is not None:
+                    self._answer(message)
             # Read is done with: what the worker holds now lives in its engine, and in its assignments in Redis.
             self.redis.xdel(inbox, *(entry_id for entry_id, _ in entries))
 
@@ -229,6 +234,8 @@ class Worker:
                 self._start(submit)
             except PromptTooLong as exc:
                 self._fail(submit.request_id, ErrorCode.CONTEXT_LENGTH_EXCEEDED, str(exc))
+            except GrammarError as exc:
+                self._fail(submit.request_id, ErrorCode.INVALID_VALUE, str(exc))
             except Exception as exc:
                 # Whatever one request's fields do to the tokenizer or the engine, its batch-mates go on.
                 log.exception("a request could not start", extra={"request_id": submit.request_id})
@@ -265,6 +272,18 @@ class Worker:
             pipe = self.redis.pipeline(transaction=False)
             self._release(pipe, cancel.request_id, "cancelled")
             pipe.execute()
+
+    def _answer(self, job: Tokenize | Detokenize) -> None:
+        """/tokenize and /detokenize, between two steps: the tokenizer is the model's, and only this loop uses it."""
+        try:
+            reply: Tokens | Error = self.loaded.answer(job)
+        except Exception as exc:  # whatever the text does to the tokenizer or its template, the worker goes on
+            log.warning("tokenize failed", extra={"request_id": job.request_id, "error": str(exc)})
+            reply = Error(ErrorCode.INVALID_VALUE, f"the tokenizer could not take it: {exc}")
+        pipe = self.redis.pipeline(transaction=False)
+        publish_results(pipe, self.keys, self.settings,
+                        [(job.request_id, encode(reply, self.settings.max_message_bytes), "")])
+        pipe.execute()
 
     def _publish(self, result: StepResult, step_s: float) -> None:
         """One round trip to Redis per engine step, whatever the batch size."""
@@ -334,6 +353,7 @@ def build_engine(settings: Settings) -> tuple[Model, Engine]:
     from worker.model import load_model
 
     loaded = load_model(settings)
+    _ = loaded.grammars  # its vocabulary index builds while the worker starts
     return loaded, ModelEngine(loaded, settings.worker_slots, static, settings.prefill_block, settings.prefill_chunk,
                                settings.prefix_cache_bytes)
 

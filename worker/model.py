@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import importlib.util
 from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from common.protocol import Submit
+from common import toolcalls
+from common.protocol import Detokenize, Submit, Tokenize, Tokens
 from common.settings import DEFAULT_MODEL, Settings
 from worker import quant as int8
+from worker.grammar import Grammars
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -31,20 +34,49 @@ class LoadedModel:
         """Width of the logits: the most a request's top_k can mean."""
         return int(self.model.config.vocab_size)
 
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """Started on first use: the worker asks at once, tests and benchmarks only when they constrain."""
+        return Grammars(self.tokenizer, self.vocab, self.eos_token_ids)
+
+    @functools.cached_property
+    def template_takes_tools(self) -> bool:
+        return "tools" in (self.tokenizer.chat_template or "")
+
     def prompt_ids(self, submit: Submit) -> list[int]:
-        """Chat-shaped requests get the model's chat template; raw prompts are used as given."""
+        """Chat-shaped requests get the model's chat template (told of the request's tools: by the template
+        where it takes them, else in common/toolcalls.py's words); raw prompts are used as given."""
         if submit.messages is not None and self.tokenizer.chat_template:
-            return self.chat_ids([{"role": m.role, "content": m.content} for m in submit.messages])
+            if self.template_takes_tools:
+                tools = [toolcalls.tool_json(t) for t in submit.tools] or None
+                return self.chat_ids(toolcalls.template_messages(submit.messages), tools)
+            return self.chat_ids(toolcalls.plain_messages(submit.messages, submit.tools))
         if submit.messages is not None:
-            text = "\n".join(f"{m.role}: {m.content}" for m in submit.messages) + "\nassistant:"
+            messages = toolcalls.plain_messages(submit.messages, submit.tools)
+            text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
         else:
             text = submit.prompt or ""
         return self.tokenizer(text)["input_ids"]
 
-    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """`messages` (role and content each) through the chat template, ready for the assistant's answer."""
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=True)["input_ids"])
+    def chat_ids(self, messages: list[dict], tools: list[dict] | None = None, answer: bool = True) -> list[int]:
+        """`messages` (role and content each) through the chat template, ready for the assistant's answer
+        (unless not `answer`)."""
+        return list(self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=answer,
+                                                       tokenize=True, return_dict=True)["input_ids"])
+
+    def answer(self, job: Tokenize | Detokenize) -> Tokens:
+        """/tokenize and /detokenize: the ids a request would be given, or the text of ids."""
+        if isinstance(job, Detokenize):
+            return Tokens(text=self.tokenizer.decode(job.tokens), context=self.max_length)
+        if job.messages is None:
+            ids = self.tokenizer(job.prompt or "", add_special_tokens=job.add_special_tokens)["input_ids"]
+        elif self.template_takes_tools:
+            tools = [toolcalls.tool_json(t) for t in job.tools] or None
+            ids = self.chat_ids(toolcalls.template_messages(job.messages), tools, job.add_generation_prompt)
+        else:
+            ids = self.chat_ids(toolcalls.plain_messages(job.messages, job.tools), None, job.add_generation_prompt)
+        strings = self.tokenizer.convert_ids_to_tokens(ids) if job.with_strings else None
+        return Tokens(list(ids), strings, context=self.max_length)
 
 
 def _source(settings: Settings) -> tuple[str, dict[str, str]]:

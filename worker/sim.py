@@ -12,7 +12,7 @@ import zlib
 from collections import deque
 from dataclasses import dataclass, field
 
-from common.protocol import SamplingParams, Submit
+from common.protocol import ChatMessage, Detokenize, SamplingParams, Submit, Tokenize, Tokens
 from worker.core import PromptTooLong, StepOutput, StepResult
 
 VOCAB = (
@@ -34,7 +34,17 @@ class SimModel:
     vocab: int = len(VOCAB)
 
     def prompt_ids(self, submit: Submit) -> list[int]:
-        text = submit.prompt if submit.prompt is not None else " ".join(m.content for m in submit.messages or [])
+        return self._ids(submit.prompt, submit.messages)
+
+    def answer(self, job: Tokenize | Detokenize) -> Tokens:
+        if isinstance(job, Detokenize):
+            return Tokens(text="".join(VOCAB[t % len(VOCAB)] for t in job.tokens), context=self.max_length)
+        ids = self._ids(job.prompt, job.messages)
+        return Tokens(ids, [VOCAB[t] for t in ids] if job.with_strings else None, context=self.max_length)
+
+    @staticmethod
+    def _ids(prompt: str | None, messages: list[ChatMessage] | None) -> list[int]:
+        text = prompt if prompt is not None else " ".join(m.content for m in messages or [])
         return [zlib.crc32(word.encode()) % len(VOCAB) for word in text.split()] or [0]
 
 
