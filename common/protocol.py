@@ -83,6 +83,8 @@ class Submit(msgspec.Struct, tag="submit"):
     # Whom the scheduler is fair to: an API key's digest, or one HTTP request's id when keys are off
     # (all the prompts and choices of one request share it).
     tenant: str = ""
+    # The W3C traceparent of the gateway's span (common/tracing.py), when tracing is on: each hop's span joins it.
+    traceparent: str = ""
 
 
 class Cancel(msgspec.Struct, tag="cancel"):

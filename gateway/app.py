@@ -10,11 +10,12 @@ from fastapi import FastAPI
 
 from common.settings import Settings
 from common.telemetry import setup_logging
+from common.tracing import Tracing
 from gateway import errors, observe, openai_api, page, resume, routes, tokenize
 from gateway.bus import Bus
 from gateway.connection import HeadLimits, limited_protocol
 from gateway.metrics import CountRequests
-from gateway.middleware import Guard
+from gateway.middleware import Guard, Traced
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -36,6 +37,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(page.router)
     keys = [key.strip() for key in settings.api_keys.split(",") if key.strip()]
     app.add_middleware(Guard, api_keys=keys, max_body=settings.max_message_bytes, body_timeout=settings.body_timeout)
+    app.add_middleware(Traced, tracing=Tracing("gateway"))
     # Outermost, so that refusals by the guard are counted too.
     app.add_middleware(CountRequests, routes=set(app.openapi()["paths"]))
     return app

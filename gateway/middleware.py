@@ -13,6 +13,7 @@ import json
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.errors import ErrorCode
+from common.tracing import Tracing
 from gateway.errors import ApiError
 
 # The page itself carries no data; the calls it makes need the key the user types in.
@@ -112,3 +113,41 @@ class Guard:
     def _too_large(self) -> ApiError:
         return ApiError.of(ErrorCode.REQUEST_TOO_LARGE, f"the request body is over the {self.max_body}-byte limit "
                            "(MAX_MESSAGE_BYTES)")
+
+
+class Traced:
+    """The gateway's span of each request that generates or resumes (POST, and a stream's resume), a child of
+    the client's `traceparent` when it sends one; the response carries the span's own `traceparent`, and the
+    Submits carry it on (gateway/submits.py), so the scheduler's and the worker's spans join the same trace."""
+
+    def __init__(self, app: ASGIApp, tracing: Tracing) -> None:
+        self.app = app
+        self.tracing = tracing
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.tracing.enabled or not _traced(scope):
+            return await self.app(scope, receive, send)
+        parent = dict(scope["headers"]).get(b"traceparent", b"").decode("latin-1")
+        span = self.tracing.start(f"{scope['method']} {scope['path']}", parent, server=True, **{
+            "http.request.method": scope["method"], "url.path": scope["path"]})
+        state = scope.setdefault("state", {})
+        state["span"] = span
+        status = 0
+
+        async def sending(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"traceparent", Tracing.header(span).encode())]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            self.tracing.end(span, error=f"HTTP {status}" if status >= 500 else "", **{
+                "http.response.status_code": status, "llmserve.request_id": state.get("request_id", "")})
+
+
+def _traced(scope: Scope) -> bool:
+    return scope["method"] == "POST" or scope["path"].startswith("/v1/requests/")

@@ -10,6 +10,7 @@ from fastapi import Request
 
 from common.errors import ErrorCode
 from common.protocol import ChatMessage, Heartbeat, StreamMeta, Submit, Tool
+from common.tracing import Tracing
 from gateway.bus import Bus
 from gateway.errors import ApiError
 from gateway.schemas import SamplingFields
@@ -38,8 +39,10 @@ async def submits_for(request: Request, body: SamplingFields, prompts: list[str 
                            queue_timeout=bus.settings.queue_timeout, grammar=grammar, tools=tools)
                for p in prompts for i in range(choices)]
     tenant = tenant_of(request) or submits[0].request_id
+    traceparent = Tracing.header(getattr(request.state, "span", None))
     for submit in submits:
         submit.tenant = tenant
+        submit.traceparent = traceparent
         log.info("received", extra={"request_id": submit.request_id})
     request.state.request_id = submits[0].request_id
     return submits

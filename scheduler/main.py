@@ -43,6 +43,7 @@ from common.runtime import Backoff, decode_or_drop, parse_heartbeats, redis_trou
 from common.settings import Settings
 from common.telemetry import serve_metrics, setup_logging
 from common.trace import stamp
+from common.tracing import Tracing
 from scheduler import metrics
 from scheduler.policy import BATCH_OVERHEAD, Queued, WaitingQueue, WorkerState, fits_a_batch, plan
 
@@ -62,6 +63,7 @@ return 0
 class Scheduler:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        self.tracing = Tracing("scheduler")
         self.keys = Keys(settings.namespace)
         self.redis = redis.Redis.from_url(settings.redis_url)
         self.lease_script = self.redis.register_script(_LEASE)
@@ -392,6 +394,11 @@ class Scheduler:
                 self._stamp(pipe, item.request_id, "dispatched", batch_id=batch.batch_id, worker_id=worker_id,
                             batch_size=len(items))
                 metrics.DISPATCH_LATENCY.observe(max(clock - item.submit.submitted_at, 0.0))
+                self.tracing.end(self.tracing.start(
+                    "llmserve.queue", item.submit.traceparent, int(item.submit.submitted_at * 1e9),
+                    **{"llmserve.request_id": item.request_id, "llmserve.worker_id": worker_id,
+                       "llmserve.batch_id": batch.batch_id, "llmserve.batch_size": len(items),
+                       "llmserve.migrations": item.submit.migrations}))
                 log.info("dispatched", extra={"request_id": item.request_id, "batch_id": batch.batch_id,
                                               "worker_id": worker_id})
             metrics.DISPATCHED.inc(len(items))

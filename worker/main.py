@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
@@ -39,6 +40,7 @@ from common.runtime import Backoff, decode_or_drop, parse_heartbeats, redis_trou
 from common.settings import Settings
 from common.telemetry import serve_metrics, setup_logging
 from common.trace import stamp
+from common.tracing import Tracing
 from worker import metrics, vllm_metrics
 from worker.core import Engine, GrammarError, Model, PromptTooLong, StepOutput, StepResult
 from worker.sim import SimEngine, SimModel
@@ -53,6 +55,7 @@ class Timing:
 
     queue_s: float
     first_token_at: float = 0.0
+    span: Any = None  # its OpenTelemetry span, when tracing is on
 
     def decode_summary(self, tokens: int) -> dict[str, float]:
         """The later tokens of a request, summarised in its `finished` hop rather than stamped one by one."""
@@ -78,6 +81,7 @@ class Worker:
         self.orphans: list[str] = []  # requests dropped while Redis was unreachable
         self.timings: dict[str, Timing] = {}
         self.metrics_port = 0
+        self.tracing = Tracing("worker")
 
     def drain(self) -> None:
         """Take no new work and stop: at once, handing what runs to other workers when they have room
@@ -225,7 +229,10 @@ class Worker:
     def _admit(self, batch: Batch) -> None:
         pipe = self.redis.pipeline(transaction=False)
         for submit in batch.sequences:
-            self.timings[submit.request_id] = Timing(queue_s=max(now() - submit.submitted_at, 0.0))
+            span = self.tracing.start("llmserve.generate", submit.traceparent, **{
+                "llmserve.request_id": submit.request_id, "llmserve.worker_id": self.id,
+                "llmserve.resume_tokens": len(submit.resume)})
+            self.timings[submit.request_id] = Timing(max(now() - submit.submitted_at, 0.0), span=span)
             self._stamp(pipe, submit.request_id, "admitted", batch_id=batch.batch_id,
                         resume_tokens=len(submit.resume))
             log.info("admitted", extra={"request_id": submit.request_id, "batch_id": batch.batch_id,
@@ -306,6 +313,7 @@ class Worker:
             timing = self.timings.get(rid)
             if timing and not timing.first_token_at:
                 timing.first_token_at = now()
+                self.tracing.event(timing.span, "first_token")
                 self._stamp(pipe, rid, "prefill_done", prefill_ms=round(step_s * 1000, 3))
                 self._stamp(pipe, rid, "first_token", index=out.index)
             if out.index == 0:
@@ -330,7 +338,10 @@ class Worker:
     def _release(self, pipe: redis.client.Pipeline, request_id: str, hop: str, **detail: str | int | float) -> None:
         """The request leaves this worker (`hop` says how): its slot goes back to the scheduler."""
         self.finished_total += 1
-        self.timings.pop(request_id, None)
+        timing = self.timings.pop(request_id, None)
+        if timing is not None:
+            self.tracing.end(timing.span, error=str(detail.get("code", "")), **{"llmserve.outcome": hop}, **{
+                f"llmserve.{name}": value for name, value in detail.items()})
         metrics.FINISHED.labels(hop).inc()
         vllm_metrics.released(self.loaded.name, hop, detail.get("reason"))
         self._stamp(pipe, request_id, hop, worker_id=self.id, **detail)
