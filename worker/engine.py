@@ -448,12 +448,12 @@ class Engine:
         is sampled alone (rows are independent, so the picks are the same), and only rows that raise get None."""
         eos = self.loaded.eos_token_ids
         banned = [eos if s.params.ignore_eos or len(s.output_ids) < s.params.min_tokens else [] for s in sequences]
-        allowed = self._allowed(sequences)
+        grammar = self._grammar_biases(sequences)
 
         def pick(rows: slice) -> list[tuple[int, Logprobs | None]]:
             chosen = sequences[rows]
             tokens, logprobs = sample(logits[rows], [s.params for s in chosen], [s.generator for s in chosen],
-                                      banned[rows], [s.output_ids for s in chosen], allowed[rows])
+                                      banned[rows], [s.output_ids for s in chosen], grammar[rows])
             return list(zip(tokens, logprobs, strict=True))
 
         try:
@@ -469,16 +469,16 @@ class Engine:
                 picks.append(None)
         return picks
 
-    def _allowed(self, sequences: list[Sequence]) -> list[torch.Tensor | None]:
-        """Each constrained row's allowed tokens (None for a free row). A matcher that has failed allows
-        nothing; its row then fails when its token is checked."""
+    def _grammar_biases(self, sequences: list[Sequence]) -> list[torch.Tensor | None]:
+        """Each constrained row's logit biases from its grammar (None for a free row). A matcher that has
+        failed allows nothing; its row then fails when its token is checked."""
         rows = [row for row, s in enumerate(sequences) if s.matcher is not None]
-        allowed: list[torch.Tensor | None] = [None] * len(sequences)
+        biases: list[torch.Tensor | None] = [None] * len(sequences)
         if rows:
-            masks = self.loaded.grammars.allowed([sequences[row].matcher for row in rows]).to(self.loaded.device)
+            masks = self.loaded.grammars.biases([sequences[row].matcher for row in rows]).to(self.loaded.device)
             for i, row in enumerate(rows):
-                allowed[row] = masks[i]
-        return allowed
+                biases[row] = masks[i]
+        return biases
 
     def _emit_or_fail(self, sequence: Sequence, pick: tuple[int, Logprobs | None] | None) -> StepOutput:
         """The row's StepOutput; a row whose token cannot be chosen or turned into text fails alone."""

@@ -40,11 +40,12 @@ def new_generator(params: SamplingParams, device: torch.device) -> torch.Generat
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           banned: list[list[int]], generated: list[list[int]], allowed: list[torch.Tensor | None] | None = None
+           banned: list[list[int]], generated: list[list[int]], grammar: list[torch.Tensor | None] | None = None
            ) -> tuple[list[int], list[Logprobs | None]]:
     """Pick one token per row of `logits` [batch, vocab]; `banned[i]` lists tokens row i may not pick,
-    `generated[i]` the tokens row i has generated so far, and `allowed[i]` (booleans over the vocabulary, or
-    None) the only tokens its grammar lets it pick. Also returns each row's log-probabilities, if asked."""
+    `generated[i]` the tokens row i has generated so far, and `grammar[i]` (None, or a bias over the
+    vocabulary: -inf for each token its grammar forbids next, 0 for the others) keeps row i to its grammar.
+    Also returns each row's log-probabilities, if asked."""
     logits = logits.float()
     # Log-probabilities describe the model, not the choice: they are taken before anything edits the logits.
     # Indexing by a list copies, so the edits below leave them alone.
@@ -55,9 +56,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     for row, tokens in enumerate(banned):
         if tokens:
             logits[row, tokens] = float("-inf")
-    for row, mask in enumerate(allowed or []):
-        if mask is not None:
-            logits[row].masked_fill_(~mask, float("-inf"))
+    for row, bias in enumerate(grammar or []):
+        if bias is not None:
+            logits[row] += bias
     chosen = logits.argmax(dim=-1)
     sampled_rows = [row for row, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
     if sampled_rows:
