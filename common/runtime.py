@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import redis
+from redis.exceptions import ClusterError, RedisClusterException, TryAgainError
 
 from common.protocol import Heartbeat, ProtocolError, decode
 
@@ -63,9 +64,16 @@ def parse_heartbeats(ids: Sequence[str], raws: Sequence[bytes | None], limit: in
     return beats
 
 
+# What a Redis client raises: redis-py's cluster client raises RedisClusterException, which is no RedisError,
+# when no node answers or a slot has no node.
+REDIS_ERRORS = (redis.RedisError, RedisClusterException)
+
+
 def redis_trouble(exc: BaseException) -> bool:
-    """Whether `exc` says Redis is away, restarted empty (NOGROUP), loading, or full (OOM under noeviction):
-    conditions a service waits out with backoff. Any other error is a bug to surface."""
-    if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+    """Whether `exc` says Redis is away, restarted empty (NOGROUP), loading, or full (OOM under noeviction),
+    or a cluster is down, failing over or moving slots: conditions a service waits out with backoff. Any
+    other error is a bug to surface."""
+    if isinstance(exc, redis.ConnectionError | redis.TimeoutError | RedisClusterException | ClusterError
+                  | TryAgainError):
         return True
-    return isinstance(exc, redis.ResponseError) and str(exc).startswith(("NOGROUP", "OOM", "LOADING"))
+    return isinstance(exc, redis.ResponseError) and str(exc).startswith(("NOGROUP", "OOM", "LOADING", "READONLY"))

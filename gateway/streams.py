@@ -22,10 +22,10 @@ from typing import TypeVar
 
 import anyio
 from fastapi import Request
-from redis.exceptions import RedisError
 
 from common.errors import ErrorCode, status_of
 from common.protocol import Done, Error, ProtocolError, Result, StreamMeta, Submit, Token, decode
+from common.runtime import REDIS_ERRORS
 from gateway import metrics
 from gateway.bus import Bus, Refused
 from gateway.errors import ApiError, ClientGone, retry_headers
@@ -291,10 +291,10 @@ class ResultStream:
                 self.bus.leases.let_go(self.head)
             if self._subscription is not None:
                 metrics.ACTIVE.dec()
-                with contextlib.suppress(RedisError, OSError):
+                with contextlib.suppress(*REDIS_ERRORS, OSError):
                     await self._subscription.__aexit__(None, None, None)
             if ending is not None:
-                with contextlib.suppress(RedisError, OSError):
+                with contextlib.suppress(*REDIS_ERRORS, OSError):
                     await ending
 
     def pending(self) -> list[str]:

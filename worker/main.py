@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import redis
 
+from common.clients import sync_client
 from common.errors import ErrorCode
 from common.prefix import prefix_keys
 from common.protocol import (
@@ -32,7 +33,7 @@ from common.protocol import (
     now,
 )
 from common.resultlog import publish_results
-from common.runtime import Backoff, decode_or_drop, parse_heartbeats, redis_trouble, service_id
+from common.runtime import REDIS_ERRORS, Backoff, decode_or_drop, parse_heartbeats, redis_trouble, service_id
 from common.settings import Settings
 from common.telemetry import serve_metrics, setup_logging
 from common.trace import stamp
@@ -61,7 +62,7 @@ class Worker:
     def __init__(self, settings: Settings, loaded: Model, engine: Engine) -> None:
         self.settings = settings
         self.keys = Keys(settings.namespace)
-        self.redis = redis.Redis.from_url(settings.redis_url)
+        self.redis = sync_client(settings.redis_url)
         self.id = service_id()
         self.loaded = loaded
         self.engine = engine
@@ -105,14 +106,14 @@ class Worker:
             try:
                 self._tend()
                 backoff.reset()
-            except redis.RedisError as exc:
+            except REDIS_ERRORS as exc:
                 if not redis_trouble(exc):
                     raise
                 self._lose_redis(exc, backoff.next())
         self.beating = False
         self.beat_now.set()
         heartbeats.join()
-        with contextlib.suppress(redis.RedisError):
+        with contextlib.suppress(*REDIS_ERRORS):
             self.redis.srem(self.keys.workers, self.id)
             self.redis.delete(self.keys.heartbeat(self.id))
             if self.handing_off and self.engine.has_work():
@@ -129,7 +130,7 @@ class Worker:
         if self.handing_off is None:
             try:
                 self.handing_off = self.settings.drain_mode == "auto" and self._others_have_room()
-            except redis.RedisError:
+            except REDIS_ERRORS:
                 self.handing_off = False
             log.info("drain", extra={"worker_id": self.id, "hand_off": self.handing_off})
         return self.handing_off or not self.engine.has_work() or now() > self.drain_until
@@ -158,7 +159,7 @@ class Worker:
         while self.beating:
             try:
                 self._heartbeat()
-            except redis.RedisError as exc:
+            except REDIS_ERRORS as exc:
                 log.debug("heartbeat not sent", extra={"worker_id": self.id, "error": str(exc)})
             self.beat_now.wait(self.settings.heartbeat_interval)
             self.beat_now.clear()
