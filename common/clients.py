@@ -20,10 +20,13 @@ from urllib.parse import unquote
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterPipeline as AsyncClusterPipeline
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelPool
-from redis.cluster import ClusterNode
+from redis.cluster import ClusterNode, ClusterPipeline
 from redis.connection import parse_url
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.maint_notifications import MaintNotificationsConfig
 from redis.sentinel import Sentinel
 
 from common.settings import SettingsError
@@ -37,6 +40,11 @@ DEFAULT_SENTINEL_PORT = 26379
 CLUSTER_NODE_CONNECTIONS = 256
 # Seconds a sentinel may take to answer which server is the primary before the next one is asked.
 SENTINEL_TIMEOUT = 2.0
+
+# Cluster clients skip redis-py's maintenance-notification handshake (a managed-service feature): one round
+# trip less per connection, and its handshake on a connection to a node that just died raised RuntimeError
+# (a closed transport) rather than a connection error.
+NO_MAINTENANCE = MaintNotificationsConfig(enabled=False)
 
 Mode = Literal["single", "cluster", "sentinel"]
 
@@ -142,7 +150,8 @@ def sync_client(url: str, **options: Any) -> Any:
         sentinel = Sentinel(list(target.nodes), sentinel_kwargs={"socket_timeout": SENTINEL_TIMEOUT})
         return sentinel.master_for(target.service, db=target.db, **target.credentials(), **options)
     nodes = [ClusterNode(host, port) for host, port in target.nodes]
-    return LazyCluster(lambda: redis.RedisCluster(startup_nodes=nodes, **target.credentials(), **options))
+    return LazyCluster(lambda: redis.RedisCluster(startup_nodes=nodes, maint_notifications_config=NO_MAINTENANCE,
+                                                  **target.credentials(), **options))
 
 
 class LazyCluster:
@@ -166,6 +175,15 @@ class LazyCluster:
         return getattr(self.client, name)
 
 
+def routed(pipe: Any, key: str) -> dict[str, Any]:
+    """Options that send a script call on a sync cluster pipeline straight to the node of `key`'s slot:
+    without them redis-py asks the server for the keys of every EVAL (COMMAND GETKEYS), a round trip per
+    call. Elsewhere none are needed (one server; the asyncio cluster pipeline reads EVAL's keys itself)."""
+    if isinstance(pipe, ClusterPipeline):
+        return {"target_nodes": pipe.get_node_from_key(key)}
+    return {}
+
+
 # Asyncio clients: the gateway.
 
 class _BlockingSentinelPool(AsyncSentinelPool, aioredis.BlockingConnectionPool):
@@ -184,8 +202,39 @@ def async_client(url: str, max_connections: int, wait_seconds: float) -> Any:
             target.service, connection_pool_class=_BlockingSentinelPool, db=target.db,
             max_connections=max_connections, timeout=wait_seconds, **target.credentials())
     nodes = [aioredis.cluster.ClusterNode(host, port) for host, port in target.nodes]
-    return aioredis.RedisCluster(startup_nodes=nodes, max_connections=CLUSTER_NODE_CONNECTIONS,
-                                 **target.credentials())
+    return _AsyncCluster(startup_nodes=nodes, max_connections=CLUSTER_NODE_CONNECTIONS,
+                         maint_notifications_config=NO_MAINTENANCE, **target.credentials())
+
+
+# redis-py's asyncio cluster client, on a connection to a node that has just died, can raise AttributeError
+# or RuntimeError (a transport already closed by a concurrent disconnect) instead of a connection error: both
+# are Redis being away to the gateway, which must answer 503 and end its streams cleanly.
+_RACES = (AttributeError, RuntimeError)
+
+
+def _lost(exc: Exception) -> RedisConnectionError:
+    return RedisConnectionError(f"the connection to a Redis cluster node broke ({type(exc).__name__}: {exc})")
+
+
+class _AsyncClusterPipeline(AsyncClusterPipeline):
+    async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> list[Any]:
+        try:
+            return await super().execute(raise_on_error, allow_redirections)
+        except _RACES as exc:
+            raise _lost(exc) from exc
+
+
+class _AsyncCluster(aioredis.RedisCluster):
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().execute_command(*args, **kwargs)
+        except _RACES as exc:
+            raise _lost(exc) from exc
+
+    def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> _AsyncClusterPipeline:
+        if transaction or shard_hint:
+            raise ValueError("a cluster pipeline takes neither a transaction nor a shard hint")
+        return _AsyncClusterPipeline(self, transaction)
 
 
 def async_sentinel(target: RedisTarget) -> AsyncSentinel:

@@ -20,7 +20,7 @@ from typing import Any
 
 from redis.crc import key_slot
 
-from common.clients import is_cluster
+from common.clients import is_cluster, routed
 from common.protocol import Keys
 from common.settings import Settings
 
@@ -73,4 +73,5 @@ def publish_results(pipe: Any, keys: Keys, settings: Settings, results: Iterable
         names = [name for rid, _, _ in group for name in (keys.results(rid), keys.progress(rid), keys.log(rid))]
         # execute_command: redis-py's cluster pipeline has no eval() of its own.
         pipe.execute_command("EVAL", PUBLISH_RESULTS, len(names), *names, *head,
-                             *(part for _, payload, token in group for part in (payload, token)))
+                             *(part for _, payload, token in group for part in (payload, token)),
+                             **(routed(pipe, names[0]) if cluster else {}))

@@ -134,6 +134,12 @@ class Bus:
         await self.router.start()
         self.leases.start()
 
+    async def ping(self) -> None:
+        """Raises unless Redis answers (in a cluster, also while a node is known to be unreachable)."""
+        await self.redis.ping()
+        if isinstance(self.router, ShardedRouter):
+            self.router.check()
+
     async def stop(self) -> None:
         await self.leases.stop()
         await self.router.stop()

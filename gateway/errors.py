@@ -12,6 +12,7 @@ from redis.exceptions import OutOfMemoryError, RedisClusterException, RedisError
 from starlette.exceptions import HTTPException
 
 from common.errors import ErrorCode
+from common.runtime import redis_trouble
 
 log = logging.getLogger("gateway")
 RETRY_AFTER_SECONDS = "1"
@@ -101,7 +102,9 @@ def redis_error(exc: RedisError | RedisClusterException) -> ApiError:
     return ApiError.of(ErrorCode.REDIS_UNAVAILABLE, f"Redis is unreachable: {exc}")
 
 
-def _redis_error(_request: Request, exc: RedisError | RedisClusterException) -> JSONResponse:
+def _redis_error(request: Request, exc: RedisError | RedisClusterException) -> JSONResponse:
+    if isinstance(exc, RedisClusterException) and not redis_trouble(exc):
+        return _internal_error(request, exc)  # the cluster client refused a command: a bug of ours
     return redis_error(exc).response()
 
 

@@ -41,7 +41,7 @@ async def generate(body: GenerateRequest, request: Request) -> JSONResponse:
 async def health(request: Request) -> JSONResponse:
     bus = bus_of(request)
     try:
-        await bus.redis.ping()
+        await bus.ping()
         workers = await bus.live_workers()
     except (*REDIS_ERRORS, OSError):
         return JSONResponse({"status": "unavailable", "redis": False, "workers": 0}, status_code=503)

@@ -12,8 +12,9 @@ Redis restarts):
   request fails;
 - a node is lost: every request in flight fails, not only those whose channels were on it, because a
   worker that cannot reach one node drops everything it runs (worker/main.py) and, in a cluster without
-  replicas, no node serves until the lost one returns; its link is dropped, the map refreshed, and the
-  next request connects afresh."""
+  replicas, no node serves until the lost one returns. Until the node answers again, or the slot map no
+  longer names it (a replica took over), new requests get 503 at once, as during a single Redis's outage,
+  rather than being admitted into a cluster that cannot serve them."""
 
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ log = logging.getLogger("gateway")
 NODE_LOST = Error(ErrorCode.REDIS_UNAVAILABLE, "a Redis cluster node was lost while the request was in flight")
 MOVED = Error(ErrorCode.REDIS_UNAVAILABLE, "the request's results channel moved to another Redis cluster node "
               "while the request was in flight")
+
+PROBE_SECONDS = 0.5
 
 Route = tuple[Mailbox, int]
 Address = tuple[str, int]
@@ -192,6 +195,9 @@ class ShardedRouter:
         self.links: dict[Address, NodeLink] = {}
         self.connecting: dict[Address, asyncio.Task[NodeLink]] = {}
         self.refreshing: asyncio.Task[None] | None = None
+        # Primaries whose connection broke or could not be made, until they answer or the map drops them.
+        self.down: set[Address] = set()
+        self.watcher: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Learn the slot map if the cluster answers; without it the gateway still starts, and answers 503
@@ -204,14 +210,22 @@ class ShardedRouter:
             task.cancel()
         for link in list(self.links.values()):
             await link.close()
-        if self.refreshing:
-            self.refreshing.cancel()
+        for task in (self.refreshing, self.watcher):
+            if task is not None:
+                task.cancel()
+
+    def check(self) -> None:
+        """Raise while a primary is known to be unreachable."""
+        if self.down:
+            names = ", ".join(f"{host}:{port}" for host, port in sorted(self.down))
+            raise RedisConnectionError(f"Redis cluster node {names} is unreachable")
 
     @asynccontextmanager
     async def open(self, request_ids: list[str], on_overflow: Callable[[], None] | None = None
                    ) -> AsyncIterator[Mailbox]:
         """Subscribe to each request's channel on its node and wait until each node confirms, so that
         nothing published after this returns can be missed."""
+        self.check()
         mailbox = Mailbox(request_ids, self.limit, self.buffer_bytes, on_overflow)
         channels = [self.keys.results(rid).encode() for rid in request_ids]
         outcomes = await asyncio.gather(*(self._subscribe(channel, (mailbox, choice))
@@ -259,7 +273,7 @@ class ShardedRouter:
         try:
             return await asyncio.shield(task)
         except (*REDIS_ERRORS, OSError) as exc:
-            self._refresh()
+            self._mark_down(address)
             raise RedisConnectionError(f"cannot reach Redis cluster node {address[0]}:{address[1]}: {exc}") from exc
 
     async def _connect(self, address: Address) -> NodeLink:
@@ -276,13 +290,41 @@ class ShardedRouter:
                         extra={"node": link.name, "in_flight": sum(len(other.routes) for other in others)})
         for other in others:
             other.fail(NODE_LOST)
-        self._refresh()
+        self._mark_down(link.address)
+
+    def _mark_down(self, address: Address) -> None:
+        self.down.add(address)
+        if self.watcher is None or self.watcher.done():
+            self.watcher = asyncio.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        """Every PROBE_SECONDS, re-read the slot map and try each node that is down."""
+        while self.down:
+            await asyncio.sleep(PROBE_SECONDS)
+            mapped = await self._reread()
+            serving = {(node.host, node.port) for node in self.cluster.get_primaries()}
+            for address in list(self.down):
+                if (mapped and address not in serving) or await self._answers(address):
+                    self.down.discard(address)
+                    log.warning("cluster node serves again, or no longer serves any slot",
+                             extra={"node": f"{address[0]}:{address[1]}"})
+
+    async def _answers(self, address: Address) -> bool:
+        try:
+            _, writer = await open_node(*address, self.target)
+        except (*REDIS_ERRORS, OSError):
+            return False
+        writer.close()
+        return True
 
     def _refresh(self) -> None:
         """Re-read the slot map in the background (once at a time)."""
         if self.refreshing is None or self.refreshing.done():
             self.refreshing = asyncio.create_task(self._reread())
 
-    async def _reread(self) -> None:
-        with contextlib.suppress(*REDIS_ERRORS, OSError):
+    async def _reread(self) -> bool:
+        try:
             await self.cluster.nodes_manager.initialize()
+        except (*REDIS_ERRORS, OSError):
+            return False
+        return True

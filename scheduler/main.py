@@ -302,7 +302,9 @@ class Scheduler:
             except Exception:
                 log.exception("a request could not be migrated; set aside", extra={"request_id": rid.decode()})
                 self._dead_letter(pipe, submit, "it raised while migrating")
-        pipe.delete(self.keys.assigned(worker_id), self.keys.inbox(worker_id))
+        # One key a command: a cluster pipeline takes no multi-key DEL.
+        pipe.delete(self.keys.assigned(worker_id))
+        pipe.delete(self.keys.inbox(worker_id))
         pipe.srem(self.keys.workers, worker_id)
         pipe.execute()
 

@@ -137,11 +137,23 @@ class Worker:
 
     def _tend(self) -> None:
         if self.orphans:
-            for request_id in self.orphans:
-                self._fail(request_id, ErrorCode.REDIS_UNAVAILABLE, "the worker lost Redis while generating")
-            self.orphans = []
+            self._fail_orphans()
         self._read_inbox(block=not self.engine.has_work())
         self._step()
+
+    def _fail_orphans(self) -> None:
+        """Tell each dropped request's client, once each: in a cluster that lost a node, some clients can be
+        told while others' slots still have no node. Raises the last failure, so that the loop backs off."""
+        left, trouble = [], None
+        for request_id in self.orphans:
+            try:
+                self._fail(request_id, ErrorCode.REDIS_UNAVAILABLE, "the worker lost Redis while generating")
+            except REDIS_ERRORS as exc:
+                left.append(request_id)
+                trouble = exc
+        self.orphans = left
+        if trouble is not None:
+            raise trouble
 
     def _lose_redis(self, exc: Exception, backoff: float) -> None:
         """Whatever was in flight cannot be delivered in order any more: drop it, and tell its
