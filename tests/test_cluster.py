@@ -7,9 +7,13 @@ imported from their modules; the fixtures they take are this module's, on a clus
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -86,6 +90,18 @@ def test_a_steps_results_take_one_script_call_per_slot(url: str) -> None:
         names = call[3:3 + call[2]]
         assert len({key_slot(name.encode()) for name in names}) == 1 or not cluster
         assert call[3 + call[2]] == ("SPUBLISH" if cluster else "PUBLISH")
+
+
+@pytest.mark.parametrize(("url", "says"), [
+    ("redis+cluster://127.0.0.1:{port}", "an embedded Redis is started only for redis:// URLs"),
+    ("redis+cluster://127.0.0.1:{port}/9", "REDIS_URL='redis+cluster://"),
+])
+def test_llmserve_up_refuses_a_cluster_it_cannot_reach_or_a_bad_url(url: str, says: str) -> None:
+    """Nothing is started: a cluster (or Sentinel) is not something the launcher can start in its place."""
+    env = {**os.environ, "REDIS_URL": url.format(port=free_port()), "LAUNCHER_METRICS_PORT": str(free_port())}
+    done = subprocess.run([str(Path(sys.executable).with_name("llmserve")), "up"], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 1 and says in done.stderr, done.stderr
 
 
 # The gateway's sharded pub/sub against a real cluster.
