@@ -289,6 +289,16 @@ class Bus:
         self._settle(pipe, request_ids, tenant)
         await pipe.execute()
 
+    async def record(self, request_ids: list[str], result: Error) -> None:
+        """Publish `result` to each request's channel and log, one request at a time: in a cluster that lost a
+        node, a pipeline that touches it sends nothing at all, and the others' logs must still say it."""
+        payload = encode(result, self.limit)
+        for rid in request_ids:
+            with contextlib.suppress(*REDIS_ERRORS, OSError):
+                pipe = self.redis.pipeline(transaction=False)
+                publish_results(pipe, self.keys, self.settings, [(rid, payload, "")])
+                await pipe.execute()
+
     def _settle(self, pipe: Pipeline, request_ids: list[str], tenant: str) -> None:
         """The stream needs nothing more: no lease, and its requests stop counting against their key."""
         if self.leases.enabled:

@@ -38,6 +38,11 @@ CONNECT_SECONDS = 5.0
 FIRST_CONNECT_SECONDS = 5.0
 MAX_BACKOFF = 5.0
 LOST = Error(ErrorCode.REDIS_UNAVAILABLE, "the connection to Redis broke while the request was in flight")
+NODE_LOST = Error(ErrorCode.REDIS_UNAVAILABLE, "a Redis cluster node was lost while the request was in flight")
+MOVED = Error(ErrorCode.REDIS_UNAVAILABLE, "the request's results channel moved to another Redis cluster node "
+              "while the request was in flight")
+# The errors a gateway puts in a mailbox itself, which nothing in Redis records (gateway/streams.py does).
+BROKEN = (LOST, NODE_LOST, MOVED)
 
 
 def command(*parts: str | bytes) -> bytes:

@@ -1,8 +1,8 @@
 """Per-request delivery in a Redis Cluster: sharded pub/sub. A request's results channel lives in its
 request's slot (common/protocol.py's Keys) and its worker SPUBLISHes there (common/resultlog.py), so the
-gateway SSUBSCRIBEs on the node that serves that slot: one raw, hiredis-parsed connection per node, opened
-when a request first needs it, each with a pump routing its messages to their mailboxes as in
-gateway/results.py. The cluster client's slot map says which node serves a channel.
+gateway SSUBSCRIBEs on the node that serves that slot: one raw, hiredis-parsed connection per primary,
+each with a pump routing its messages to their mailboxes as in gateway/results.py. The cluster client's
+slot map says which node serves a channel.
 
 What can go wrong, and what the client then gets (each a `redis_unavailable` error, as when a single
 Redis restarts):
@@ -11,10 +11,12 @@ Redis restarts):
 - the slot moves while the request runs: the node unsubscribes the channel itself (SUNSUBSCRIBE), and that
   request fails;
 - a node is lost: every request in flight fails, not only those whose channels were on it, because a
-  worker that cannot reach one node drops everything it runs (worker/main.py) and, in a cluster without
-  replicas, no node serves until the lost one returns. Until the node answers again, or the slot map no
-  longer names it (a replica took over), new requests get 503 at once, as during a single Redis's outage,
-  rather than being admitted into a cluster that cannot serve them."""
+  worker that cannot reach one node drops everything it runs (worker/main.py), may be unable to say so
+  (a pipeline that touches the lost node sends nothing at all), and, in a cluster without replicas, no
+  node serves until the lost one returns. The gateway holds a link to every primary, used or not, so that
+  it sees any loss at once. Until the node answers again, or the slot map no longer names it (a replica
+  took over), new requests get 503 at once, as during a single Redis's outage, rather than being admitted
+  into a cluster that cannot serve them."""
 
 from __future__ import annotations
 
@@ -31,17 +33,13 @@ import hiredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from common.clients import RedisTarget
-from common.errors import ErrorCode
 from common.protocol import Error, Keys
 from common.runtime import REDIS_ERRORS
 from gateway.mailbox import Mailbox
-from gateway.results import FIRST_CONNECT_SECONDS, READ_BYTES, command, open_node
+from gateway.results import FIRST_CONNECT_SECONDS, MOVED, NODE_LOST, READ_BYTES, command, open_node
 
 log = logging.getLogger("gateway")
 
-NODE_LOST = Error(ErrorCode.REDIS_UNAVAILABLE, "a Redis cluster node was lost while the request was in flight")
-MOVED = Error(ErrorCode.REDIS_UNAVAILABLE, "the request's results channel moved to another Redis cluster node "
-              "while the request was in flight")
 
 PROBE_SECONDS = 0.5
 
@@ -204,6 +202,7 @@ class ShardedRouter:
         until a node does."""
         with contextlib.suppress(*REDIS_ERRORS, OSError):
             await asyncio.wait_for(self.cluster.initialize(), FIRST_CONNECT_SECONDS)
+            self._cover()
 
     async def stop(self) -> None:
         for task in self.connecting.values():
@@ -260,26 +259,42 @@ class ShardedRouter:
             node = self.cluster.get_node_from_key(channel)
         except REDIS_ERRORS as exc:
             raise RedisConnectionError(f"no Redis cluster node serves the request: {exc}") from exc
+        self._cover()
         return node.host, node.port
 
     async def _link(self, address: Address) -> NodeLink:
         link = self.links.get(address)
         if link is not None and link.alive:
             return link
+        try:
+            return await asyncio.shield(self._connecting(address))
+        except (*REDIS_ERRORS, OSError) as exc:
+            raise RedisConnectionError(f"cannot reach Redis cluster node {address[0]}:{address[1]}: {exc}") from exc
+
+    def _connecting(self, address: Address) -> asyncio.Task[NodeLink]:
+        """The one attempt under way to connect to `address`; a failed one marks the node down."""
         task = self.connecting.get(address)
         if task is None:
             task = self.connecting[address] = asyncio.create_task(self._connect(address))
-            task.add_done_callback(lambda _task: self.connecting.pop(address, None))
-        try:
-            return await asyncio.shield(task)
-        except (*REDIS_ERRORS, OSError) as exc:
+            task.add_done_callback(lambda done: self._connected(address, done))
+        return task
+
+    def _connected(self, address: Address, task: asyncio.Task[NodeLink]) -> None:
+        self.connecting.pop(address, None)
+        if not task.cancelled() and task.exception() is not None:
             self._mark_down(address)
-            raise RedisConnectionError(f"cannot reach Redis cluster node {address[0]}:{address[1]}: {exc}") from exc
 
     async def _connect(self, address: Address) -> NodeLink:
         reader, writer = await open_node(*address, self.target)
         link = self.links[address] = NodeLink(address, reader, writer, self._lost)
         return link
+
+    def _cover(self) -> None:
+        """A link to every primary, whether a request uses it or not, so that the loss of any is seen at once."""
+        for node in self.cluster.get_primaries():
+            address = (node.host, node.port)
+            if address not in self.links and address not in self.down:
+                self._connecting(address)
 
     def _lost(self, link: NodeLink) -> None:
         if self.links.get(link.address) is link:
@@ -307,7 +322,9 @@ class ShardedRouter:
                 if (mapped and address not in serving) or await self._answers(address):
                     self.down.discard(address)
                     log.warning("cluster node serves again, or no longer serves any slot",
-                             extra={"node": f"{address[0]}:{address[1]}"})
+                                extra={"node": f"{address[0]}:{address[1]}"})
+            if mapped:
+                self._cover()
 
     async def _answers(self, address: Address) -> bool:
         try:

@@ -30,6 +30,7 @@ from gateway import metrics
 from gateway.bus import Bus, Refused
 from gateway.errors import ApiError, ClientGone, retry_headers
 from gateway.mailbox import Mailbox
+from gateway.results import BROKEN
 from gateway.sse import format_id
 
 log = logging.getLogger("gateway")
@@ -262,13 +263,26 @@ class ResultStream:
         stream that may be resumed is left to its lease; any other is cancelled."""
         if client_left is None:
             client_left = not self.sent_all
-        if self.all_ended:
+        broken = [choice for choice, error in self.errors.items() if any(error is b for b in BROKEN)]
+        if self.all_ended and broken:
+            await self._end(self._settle_broken(broken))
+        elif self.all_ended:
             await self._end(self.bus.finish(self.request_ids, self.tenant, self.delivered(), not self.resumed))
         elif client_left and self.meta is not None and self.bus.leases.enabled:
             await self._end(self.bus.detach(self.request_ids, self.pending(), self.delivered()))
         else:
             why = "its client left" if client_left else "the stream ended early (another choice failed)"
             await self.cancel(Error(ErrorCode.CANCELLED, f"the request was cancelled: {why}"))
+
+    async def _settle_broken(self, choices: list[int]) -> None:
+        """Choices that ended because this gateway lost its connection to Redis (or, in a cluster, a node):
+        their requests may still run, and their logs do not say they ended, so a client resuming them (an
+        EventSource does, after an error) would wait for ever. Cancelled, with the error in their logs, as
+        far as Redis can be reached again."""
+        rids = [self.request_ids[choice] for choice in choices]
+        if self.meta is not None:
+            await self.bus.record(rids, self.errors[choices[0]])
+        await self.bus.cancel(self.request_ids, self.tenant, rids, self.delivered(), None, logged=False)
 
     async def cancel(self, error: Error | None = None) -> None:
         """Cancel whatever has not ended now, with `error` in its logs."""

@@ -298,9 +298,10 @@ def _port_free(port: int) -> bool:
 
 @contextmanager
 def private_stack(workers: int, gateways: int = 1, redis: str = "single", **settings: str) -> Iterator[PrivateStack]:
-    """Its own redis-server on a free port (`redis="cluster"`: a cluster of three; `"sentinel"`: a primary,
-    a replica and a Sentinel) and every service (`gateways` of them on consecutive ports), with
-    `settings` on top of the environment; yields once all workers serve."""
+    """Its own redis-server on a free port (`redis="cluster"`: a cluster of three masters;
+    `"cluster-with-replicas"`: each with a replica; `"sentinel"`: a primary, a replica and a Sentinel) and
+    every service (`gateways` of them on consecutive ports), with `settings` on top of the environment;
+    yields once all workers serve."""
     topology = None
     if redis == "single":
         redis_url = f"redis://127.0.0.1:{free_port()}/0"
@@ -308,7 +309,7 @@ def private_stack(workers: int, gateways: int = 1, redis: str = "single", **sett
     else:
         from llmserve.topology import start_cluster, start_sentinel
 
-        topology = start_cluster() if redis == "cluster" else start_sentinel()
+        topology = start_sentinel() if redis == "sentinel" else start_cluster(replicas=int(redis.endswith("replicas")))
         redis_url, process = topology.url, None
     port = free_ports(gateways)
     stack = Stack({**os.environ, "REDIS_URL": redis_url, "GATEWAY_HOST": "127.0.0.1", "GATEWAY_PORT": str(port),

@@ -55,10 +55,12 @@ def _server_args(port: int) -> list[str]:
 
 @dataclass
 class Cluster:
-    """Masters of a Redis Cluster, no replicas: killing one leaves its slots unserved until it returns."""
+    """A Redis Cluster. Without replicas, killing a master leaves its slots unserved until it returns; with
+    them, a replica takes its slots over after the node timeout."""
 
     ports: list[int]
     workdir: tempfile.TemporaryDirectory[str]
+    replicas: int = 0  # per master
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     @property
@@ -67,7 +69,8 @@ class Cluster:
 
     def _spawn(self, index: int) -> subprocess.Popen[bytes]:
         port = self.ports[index]
-        return popen([*_server_args(port), "--dir", self.workdir.name, "--cluster-enabled", "yes",
+        return popen([*_server_args(port), "--dir", self.workdir.name, "--dbfilename", f"dump-{port}.rdb",
+                      "--repl-diskless-sync-delay", "0", "--cluster-enabled", "yes",
                       "--cluster-config-file", f"nodes-{port}.conf", "--cluster-node-timeout", str(NODE_TIMEOUT_MS)],
                      stdout=subprocess.DEVNULL)
 
@@ -79,8 +82,15 @@ class Cluster:
         if cli is None:
             raise RuntimeError("redis-cli is needed to join the cluster")
         subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
-                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=30)
+                        "--cluster-replicas", str(self.replicas), "--cluster-yes"], check=True, capture_output=True,
+                       timeout=30)
         self.wait_ok()
+        # A replica that has not synced yet could not take over from its master.
+        wait_until(lambda: all(self._in_sync(port) for port in self.ports), 30, "the replicas in sync")
+
+    def _in_sync(self, port: int) -> bool:
+        info = redis.Redis(port=port).info("replication")
+        return info["role"] == "master" or info.get("master_link_status") == "up"
 
     def wait_ok(self, timeout: float = 30) -> None:
         """Until every node says the cluster serves all its slots."""
@@ -112,11 +122,11 @@ class Cluster:
         self.workdir.cleanup()
 
 
-def start_cluster(masters: int = 3) -> Cluster:
+def start_cluster(masters: int = 3, replicas: int = 0) -> Cluster:
     ports: list[int] = []
-    for _ in range(masters):
+    for _ in range(masters * (1 + replicas)):
         ports.append(free_node_port(set(ports)))
-    cluster = Cluster(ports, tempfile.TemporaryDirectory(prefix="llmserve-cluster-"))
+    cluster = Cluster(ports, tempfile.TemporaryDirectory(prefix="llmserve-cluster-"), replicas)
     try:
         cluster.start()
     except BaseException:
