@@ -1,8 +1,9 @@
 """Redis Cluster: REDIS_URL's schemes, key names grouped by hash slot, the gateway's sharded pub/sub on a
 real cluster of three masters (routing across nodes, a stale slot map, a slot that moves, a node that
-dies), a node killed under a sim stack mid-stream, and the end-to-end tests of streaming, the OpenAI API,
-resuming, worker migration and scheduler restarts run unchanged against a cluster (their bodies are
-imported from their modules; the fixtures they take are this module's, on a cluster)."""
+dies), a master killed under a sim stack mid-stream (with and without replicas), and the end-to-end tests
+of streaming, the OpenAI API, resuming, worker migration and scheduler restarts run unchanged against a
+cluster (their bodies are imported from their modules; the fixtures they take are this module's, on a
+cluster)."""
 
 from __future__ import annotations
 
