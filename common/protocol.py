@@ -251,84 +251,98 @@ def now() -> float:
 
 
 class Keys:
-    """Redis key and channel names, all under one namespace."""
+    """Redis key and channel names, all under one namespace, grouped by Redis Cluster hash tag (the part in
+    braces, which alone picks a key's slot) so that every script and multi-key command touches one slot:
+    the shared keys (queue, streams, counters, heartbeats, leases) share `{ns}`; a request's keys (results
+    channel, progress, log, trace) share its request_id's tag; a worker's inbox and assignments its id's.
+    On one server the tags are plain characters of the names."""
 
     def __init__(self, namespace: str) -> None:
         self.ns = namespace
 
+    def _shared(self, name: str) -> str:
+        return f"{{{self.ns}}}:{name}"
+
+    def _request(self, kind: str, request_id: str) -> str:
+        return f"{self.ns}:{kind}:{{{request_id}}}"
+
+    def _worker(self, worker_id: str, kind: str) -> str:
+        return f"{self.ns}:worker:{{{worker_id}}}:{kind}"
+
     @property
     def requests(self) -> str:
-        return f"{self.ns}:requests"
+        return self._shared("requests")
 
     @property
     def events(self) -> str:
-        return f"{self.ns}:events"
+        return self._shared("events")
 
     @property
     def workers(self) -> str:
-        return f"{self.ns}:workers"
+        return self._shared("workers")
 
     def heartbeat(self, worker_id: str) -> str:
-        return f"{self.ns}:worker:{worker_id}"
+        """Shared tag: the services read every worker's heartbeat with one MGET."""
+        return self._shared(f"worker:{worker_id}")
 
     def inbox(self, worker_id: str) -> str:
-        return f"{self.ns}:worker:{worker_id}:inbox"
+        return self._worker(worker_id, "inbox")
 
     def results(self, request_id: str) -> str:
-        return f"{self.ns}:out:{request_id}"
+        return self._request("out", request_id)
 
     def assigned(self, worker_id: str) -> str:
         """Hash of request_id -> Submit of what the scheduler gave this worker and it has not finished."""
-        return f"{self.ns}:worker:{worker_id}:assigned"
+        return self._worker(worker_id, "assigned")
 
     def progress(self, request_id: str) -> str:
         """List of the token ids a worker has delivered for this request, for resuming it elsewhere."""
-        return f"{self.ns}:progress:{request_id}"
+        return self._request("progress", request_id)
 
     def log(self, request_id: str) -> str:
         """List of what was published for this request, for resuming its stream (common/resultlog.py):
         the bytes of results held, a header (the StreamMeta for a stream's first request_id, else empty),
         then each encoded result in order; kept RESUME_TTL seconds after the last one."""
-        return f"{self.ns}:log:{request_id}"
+        return self._request("log", request_id)
 
     @property
     def leases(self) -> str:
         """Sorted set of streams (their first request_id) scored by when, in Redis milliseconds, they are
         cancelled unless a gateway with a client reading them extends the lease first."""
-        return f"{self.ns}:leases"
+        return self._shared("leases")
 
     def trace(self, request_id: str) -> str:
         """List of TraceEvent: the request's journey, kept for TRACE_TTL seconds."""
-        return f"{self.ns}:trace:{request_id}"
+        return self._request("trace", request_id)
 
     @property
     def lease(self) -> str:
         """Which scheduler replica acts; the others stand by until it lapses."""
-        return f"{self.ns}:scheduler:lease"
+        return self._shared("scheduler:lease")
 
     @property
     def queued(self) -> str:
         """Counter of requests accepted but not yet dispatched, for admission control."""
-        return f"{self.ns}:queued"
+        return self._shared("queued")
 
     @property
     def queued_bytes(self) -> str:
         """Counter of the encoded bytes of those requests: the queue is bounded in bytes too."""
-        return f"{self.ns}:queued_bytes"
+        return self._shared("queued_bytes")
 
     def in_flight(self, tenant: str) -> str:
         """Sorted set of a tenant's requests still queued or running, scored by when each stops counting."""
-        return f"{self.ns}:inflight:{tenant}"
+        return self._shared(f"inflight:{tenant}")
 
     @property
     def clean_exit(self) -> str:
         """Set by a scheduler that stopped on a signal: its successor owes the pending entries no blame."""
-        return f"{self.ns}:scheduler:clean_exit"
+        return self._shared("scheduler:clean_exit")
 
     @property
     def dead_letters(self) -> str:
         """Stream of requests set aside after they failed a service repeatedly, for an operator to read."""
-        return f"{self.ns}:deadletter"
+        return self._shared("deadletter")
 
 
 # Length caps of the streams: entries are deleted once consumed, so these bound only a backlog.

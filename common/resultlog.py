@@ -9,28 +9,35 @@ result, ...]; past RESUME_LOG_BYTES the oldest results are dropped (down to 7/8 
 always stay), so the log keeps the last stretch of a long stream. Every append extends its expiry to
 RESUME_TTL. Publishing before appending means that a reader who subscribes first and reads the log
 second misses nothing: a result is either in the log by then, or arrives on the channel (or both,
-which the reader drops by index). A worker publishes all the tokens of a step in one call: at 250 rows,
-pipelined commands cost it 6 ms per step, one script call about 1 ms."""
+which the reader drops by index). On one server a worker publishes all the tokens of a step in one call
+(at 250 rows, pipelined commands cost it 6 ms per step, one script call about 1 ms); in a cluster, one call
+per request's slot, all in one pipeline."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
 
+from redis.crc import key_slot
+
+from common.clients import is_cluster, routed
 from common.protocol import Keys
 from common.settings import Settings
 
-# KEYS: the prefixes of the results channel, the progress list and the results log, each completed by a
-# request_id (one Redis, not a cluster). ARGV: the log's expiry in ms (0: no log), its bound in bytes,
-# then for each result: request_id, encoded result, token id ('' for none: not a token, or no progress).
+# KEYS: for each result, its request's results channel, progress list and results log (one slot: the
+# request's hash tag). ARGV: the publish command (PUBLISH, or SPUBLISH in a cluster), the log's expiry in ms
+# (0: no log), its bound in bytes, then for each result: encoded result, token id ('' for none: not a token,
+# or no progress).
 PUBLISH_RESULTS = """
-local ttl, cap = tonumber(ARGV[1]), tonumber(ARGV[2])
-for i = 3, #ARGV, 3 do
-  local rid, payload = ARGV[i], ARGV[i + 1]
-  redis.call('PUBLISH', KEYS[1] .. rid, payload)
-  if ARGV[i + 2] ~= '' then redis.call('RPUSH', KEYS[2] .. rid, ARGV[i + 2]) end
+local publish, ttl, cap = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local arg = 4
+for k = 1, #KEYS, 3 do
+  local payload, token = ARGV[arg], ARGV[arg + 1]
+  arg = arg + 2
+  redis.call(publish, KEYS[k], payload)
+  if token ~= '' then redis.call('RPUSH', KEYS[k + 1], token) end
   if ttl > 0 then
-    local log = KEYS[3] .. rid
+    local log = KEYS[k + 2]
     if redis.call('RPUSHX', log, payload) > 0 then
       local held = (tonumber(redis.call('LINDEX', log, 0)) or 0) + #payload
       -- Past the bound, an eighth of it goes at once, so that trimming is rare.
@@ -54,9 +61,17 @@ LOG_HEAD = 2
 
 def publish_results(pipe: Any, keys: Keys, settings: Settings, results: Iterable[tuple[str, bytes, int | str]]
                     ) -> None:
-    """Queue on `pipe` (sync or asyncio, pipelined or not) one script call publishing `results`, each
-    (request_id, encoded result, token id or '')."""
-    args = [part for result in results for part in result]
-    if args:
-        pipe.eval(PUBLISH_RESULTS, 3, keys.results(""), keys.progress(""), keys.log(""),
-                  int(settings.resume_ttl * 1000), settings.resume_log_bytes, *args)
+    """Queue on `pipe` (sync or asyncio, pipelined or not) the script calls publishing `results`, each
+    (request_id, encoded result, token id or ''): one call on one server; in a cluster, one per slot, since
+    a script may touch one slot only (with request ids as tags, about one call per request)."""
+    cluster = is_cluster(settings.redis_url)
+    groups: dict[int, list[tuple[str, bytes, int | str]]] = {}
+    for result in results:
+        groups.setdefault(key_slot(keys.results(result[0]).encode()) if cluster else 0, []).append(result)
+    head = ("SPUBLISH" if cluster else "PUBLISH", int(settings.resume_ttl * 1000), settings.resume_log_bytes)
+    for group in groups.values():
+        names = [name for rid, _, _ in group for name in (keys.results(rid), keys.progress(rid), keys.log(rid))]
+        # execute_command: redis-py's cluster pipeline has no eval() of its own.
+        pipe.execute_command("EVAL", PUBLISH_RESULTS, len(names), *names, *head,
+                             *(part for _, payload, token in group for part in (payload, token)),
+                             **(routed(pipe, names[0]) if cluster else {}))

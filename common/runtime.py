@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import redis
+from redis.exceptions import ClusterError, RedisClusterException, SlotNotCoveredError, TryAgainError
 
 from common.protocol import Heartbeat, ProtocolError, decode
 
@@ -63,9 +64,21 @@ def parse_heartbeats(ids: Sequence[str], raws: Sequence[bytes | None], limit: in
     return beats
 
 
+# What a Redis client raises: redis-py's cluster client raises RedisClusterException, which is no RedisError,
+# when no node answers or a slot has no node (and for misuse, which is a bug).
+REDIS_ERRORS = (redis.RedisError, RedisClusterException)
+# redis-py's words for a cluster it cannot reach, or whose slot map it cannot complete.
+_CLUSTER_AWAY = ("Redis Cluster cannot be connected", "All slots are not covered", "startup_nodes could not agree",
+                 "No targets were found")
+
+
 def redis_trouble(exc: BaseException) -> bool:
-    """Whether `exc` says Redis is away, restarted empty (NOGROUP), loading, or full (OOM under noeviction):
-    conditions a service waits out with backoff. Any other error is a bug to surface."""
-    if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+    """Whether `exc` says Redis is away, restarted empty (NOGROUP), loading, or full (OOM under noeviction),
+    or a cluster is down, failing over or moving slots: conditions a service waits out with backoff. Any
+    other error is a bug to surface."""
+    if isinstance(exc, redis.ConnectionError | redis.TimeoutError | SlotNotCoveredError | ClusterError
+                  | TryAgainError):
         return True
-    return isinstance(exc, redis.ResponseError) and str(exc).startswith(("NOGROUP", "OOM", "LOADING"))
+    if isinstance(exc, RedisClusterException):
+        return str(exc).startswith(_CLUSTER_AWAY)
+    return isinstance(exc, redis.ResponseError) and str(exc).startswith(("NOGROUP", "OOM", "LOADING", "READONLY"))

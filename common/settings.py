@@ -87,6 +87,16 @@ class Settings:
                      "resume_log_bytes"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name.upper()}={getattr(self, name)}: must be positive")
+        self._check_redis()
+
+    def _check_redis(self) -> None:
+        # Imported here: common/clients.py raises this module's SettingsError.
+        from common.clients import parse_redis_url
+
+        target = parse_redis_url(self.redis_url)
+        # Key names carry the namespace in Redis Cluster hash tags ({ns}), which braces would break.
+        if "{" in self.namespace or "}" in self.namespace or (target.cluster and not self.namespace):
+            raise SettingsError(f"NAMESPACE={self.namespace!r}: must not contain braces (nor be empty in a cluster)")
 
 
 class SettingsError(ValueError):

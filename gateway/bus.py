@@ -4,13 +4,14 @@ resumed (its results logs, its lease), end streams (delivered, left to their lea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable
 
-import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 
+from common.clients import async_client, is_cluster, parse_redis_url
 from common.errors import ErrorCode
 from common.protocol import (
     INBOX_MAXLEN,
@@ -32,11 +33,13 @@ from common.protocol import (
     encode,
 )
 from common.resultlog import LOG_HEAD, publish_results
+from common.runtime import REDIS_ERRORS
 from common.settings import Settings
 from common.trace import stamp
 from gateway import metrics
 from gateway.leases import Leases
 from gateway.results import ResultRouter
+from gateway.shards import ShardedRouter
 
 log = logging.getLogger("gateway")
 
@@ -51,11 +54,12 @@ RUN_BOUND_SECONDS = 3600.0
 # choices of one HTTP request are admitted together or not at all. Every write comes after every
 # check, so a Redis at its memory limit (whose first write fails) is left as it was. A stream that
 # may be resumed gets its results logs (common/resultlog.py) and its lease (gateway/leases.py) here
-# too, before any worker can publish to it.
-# KEYS: queued count, queued bytes, request stream, the tenant's in-flight set, log prefix, leases.
-# ARGV: max queue, max queue bytes, stream maxlen, key limit (0: none), seconds a request counts
-# against its key, n, the logs' expiry in ms (0: no logs), the lease in ms (0: none), the header of
-# the first log (the StreamMeta), then n request ids, then n payloads.
+# too, before any worker can publish to it. In a cluster, a script touches one slot: the logs (each in
+# its request's slot) are created just before, and removed again if the request is refused.
+# KEYS: queued count, queued bytes, request stream, the tenant's in-flight set, leases, then the n logs
+# (none in a cluster). ARGV: max queue, max queue bytes, stream maxlen, key limit (0: none), seconds a
+# request counts against its key, n, the logs' expiry in ms (0: no logs), the lease in ms (0: none), the
+# header of the first log (the StreamMeta), then n request ids, then n payloads.
 _ADMIT = """
 local n = tonumber(ARGV[6])
 local ids, payloads = 10, 10 + n
@@ -80,14 +84,11 @@ if limit > 0 then
 end
 redis.call('INCRBY', KEYS[1], n)
 redis.call('INCRBY', KEYS[2], size)
-if log_ttl > 0 then
-  for i = ids, payloads - 1 do
-    local log = KEYS[5] .. ARGV[i]
-    redis.call('RPUSH', log, 0, i == ids and ARGV[9] or '')
-    redis.call('PEXPIRE', log, log_ttl)
-  end
+for k = 6, #KEYS do
+  redis.call('RPUSH', KEYS[k], 0, k == 6 and ARGV[9] or '')
+  redis.call('PEXPIRE', KEYS[k], log_ttl)
 end
-if lease > 0 then redis.call('ZADD', KEYS[6], math.floor(now * 1000) + lease, ARGV[ids]) end
+if lease > 0 then redis.call('ZADD', KEYS[5], math.floor(now * 1000) + lease, ARGV[ids]) end
 for i = payloads, 9 + 2 * n do
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'm', ARGV[i])
 end
@@ -117,9 +118,12 @@ class Bus:
         self.keys = Keys(settings.namespace)
         # A burst of a thousand arrivals waits its turn for a connection instead of failing with
         # "Too many connections"; each command holds one for well under a millisecond.
-        self.redis = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
-            settings.redis_url, max_connections=POOL_CONNECTIONS, timeout=POOL_WAIT_SECONDS))
-        self.router = ResultRouter(settings.redis_url, self.keys, self.limit, settings.client_buffer_bytes)
+        self.redis = async_client(settings.redis_url, POOL_CONNECTIONS, POOL_WAIT_SECONDS)
+        self.cluster = is_cluster(settings.redis_url)
+        self.router: ResultRouter | ShardedRouter = (
+            ShardedRouter(self.redis, parse_redis_url(settings.redis_url), self.keys, self.limit,
+                          settings.client_buffer_bytes) if self.cluster
+            else ResultRouter(settings.redis_url, self.keys, self.limit, settings.client_buffer_bytes))
         self.leases = Leases(self.redis, self.keys, settings, self._lapsed)
         keyed = any(key.strip() for key in settings.api_keys.split(","))
         self.key_limit = settings.key_max_requests if keyed else 0
@@ -132,6 +136,12 @@ class Bus:
     async def start(self) -> None:
         await self.router.start()
         self.leases.start()
+
+    async def ping(self) -> None:
+        """Raises unless Redis answers (in a cluster, also while a node is known to be unreachable)."""
+        await self.redis.ping()
+        if isinstance(self.router, ShardedRouter):
+            self.router.check()
 
     async def stop(self) -> None:
         await self.leases.stop()
@@ -157,22 +167,43 @@ class Bus:
         log_ttl = int((self.settings.resume_ttl + self._wait_seconds(submits)) * 1000) if logged else 0
         lease = self.leases.grace_ms if logged and self.leases.enabled else 0
         header = encode(meta, self.limit) if logged else b""
+        logs = [self.keys.log(s.request_id) for s in submits] if log_ttl else []
+        if self.cluster and logs:
+            await self._open_logs(logs, header, log_ttl)
         pipe = self.redis.pipeline(transaction=False)
         for submit in submits:
             self._stamp(pipe, submit.request_id, "received")
         # Plain EVAL: Redis caches the compiled script, and unlike a registered Script in a
         # pipeline it costs no SCRIPT EXISTS round trip per request.
-        pipe.eval(_ADMIT, 6, self.keys.queued, self.keys.queued_bytes, self.keys.requests,
-                  self.keys.in_flight(submits[0].tenant), self.keys.log(""), self.keys.leases,
+        keys = [self.keys.queued, self.keys.queued_bytes, self.keys.requests, self.keys.in_flight(submits[0].tenant),
+                self.keys.leases, *([] if self.cluster else logs)]
+        pipe.eval(_ADMIT, len(keys), *keys,
                   self.settings.max_queue, self.settings.max_queue_bytes, REQUEST_STREAM_MAXLEN, self.key_limit,
                   self._wait_seconds(submits) + RUN_BOUND_SECONDS, len(submits), log_ttl, lease, header,
                   *(s.request_id for s in submits), *payloads)
         # A failed trace stamp must not fail an admitted request: only the script's answer counts.
         *_, verdict = await pipe.execute(raise_on_error=False)
+        if verdict != b"ok" and self.cluster and logs:
+            with contextlib.suppress(*REDIS_ERRORS):
+                await self._close_logs(logs)
         if isinstance(verdict, Exception):
             raise verdict
         if verdict != b"ok":
             raise self._refusal(verdict.decode())
+
+    async def _open_logs(self, logs: list[str], header: bytes, log_ttl: int) -> None:
+        """A cluster's part of admission that its script cannot do: each log lives in its request's slot."""
+        pipe = self.redis.pipeline(transaction=False)
+        for i, log_key in enumerate(logs):
+            pipe.rpush(log_key, 0, header if i == 0 else b"")
+            pipe.pexpire(log_key, log_ttl)
+        await pipe.execute()
+
+    async def _close_logs(self, logs: list[str]) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        for log_key in logs:
+            pipe.delete(log_key)
+        await pipe.execute()
 
     def _payloads(self, submits: list[Submit]) -> list[bytes]:
         try:
@@ -260,6 +291,16 @@ class Bus:
             self._stamp(pipe, rid, "delivered")
         self._settle(pipe, request_ids, tenant)
         await pipe.execute()
+
+    async def record(self, request_ids: list[str], result: Error) -> None:
+        """Publish `result` to each request's channel and log, one request at a time: in a cluster that lost a
+        node, a pipeline that touches it sends nothing at all, and the others' logs must still say it."""
+        payload = encode(result, self.limit)
+        for rid in request_ids:
+            with contextlib.suppress(*REDIS_ERRORS, OSError):
+                pipe = self.redis.pipeline(transaction=False)
+                publish_results(pipe, self.keys, self.settings, [(rid, payload, "")])
+                await pipe.execute()
 
     def _settle(self, pipe: Pipeline, request_ids: list[str], tenant: str) -> None:
         """The stream needs nothing more: no lease, and its requests stop counting against their key."""

@@ -8,10 +8,11 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from redis.exceptions import OutOfMemoryError, RedisError
+from redis.exceptions import OutOfMemoryError, RedisClusterException, RedisError
 from starlette.exceptions import HTTPException
 
 from common.errors import ErrorCode
+from common.runtime import redis_trouble
 
 log = logging.getLogger("gateway")
 RETRY_AFTER_SECONDS = "1"
@@ -93,7 +94,7 @@ def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
     return ApiError(exc.status_code, message, code, headers=exc.headers).response()
 
 
-def redis_error(exc: RedisError) -> ApiError:
+def redis_error(exc: RedisError | RedisClusterException) -> ApiError:
     """Redis at its memory limit refuses writes (noeviction) with an OOM error: that is Redis full,
     not Redis gone, though a retry may cure both."""
     if isinstance(exc, OutOfMemoryError):
@@ -101,7 +102,9 @@ def redis_error(exc: RedisError) -> ApiError:
     return ApiError.of(ErrorCode.REDIS_UNAVAILABLE, f"Redis is unreachable: {exc}")
 
 
-def _redis_error(_request: Request, exc: RedisError) -> JSONResponse:
+def _redis_error(request: Request, exc: RedisError | RedisClusterException) -> JSONResponse:
+    if isinstance(exc, RedisClusterException) and not redis_trouble(exc):
+        return _internal_error(request, exc)  # the cluster client refused a command: a bug of ours
     return redis_error(exc).response()
 
 
@@ -122,5 +125,6 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RedisError, _redis_error)
+    app.add_exception_handler(RedisClusterException, _redis_error)  # a cluster with no node answering
     app.add_exception_handler(ClientGone, _client_gone)
     app.add_exception_handler(Exception, _internal_error)

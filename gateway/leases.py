@@ -15,25 +15,25 @@ import contextlib
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError
-
+from common.clients import is_cluster
 from common.protocol import Keys
+from common.runtime import REDIS_ERRORS
 from common.settings import Settings
 
 log = logging.getLogger("gateway")
 
 # Extend the leases of the streams this gateway's clients read, and keep their logs (a choice that ended
 # early must outlive its siblings). XX: a lease already lapsed and claimed is not brought back.
-# KEYS: leases, log prefix. ARGV: lease ms, log ttl ms, number of leases h, h stream ids, then request_ids.
+# KEYS: leases, then the logs (none in a cluster, where each is in its request's slot: they are extended by
+# PEXPIRE beside the script). ARGV: lease ms, log ttl ms, then the stream ids.
 _EXTEND = """
 local clock = redis.call('TIME')
 local until_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000) + tonumber(ARGV[1])
-local h = tonumber(ARGV[3])
-for i = 4, 3 + h do redis.call('ZADD', KEYS[1], 'XX', until_ms, ARGV[i]) end
+for i = 3, #ARGV do redis.call('ZADD', KEYS[1], 'XX', until_ms, ARGV[i]) end
 if tonumber(ARGV[2]) > 0 then
-  for i = 4 + h, #ARGV do redis.call('PEXPIRE', KEYS[2] .. ARGV[i], ARGV[2]) end
+  for k = 2, #KEYS do redis.call('PEXPIRE', KEYS[k], ARGV[2]) end
 end
 return 0
 """
@@ -52,10 +52,11 @@ LONGEST_INTERVAL = 1.0
 
 
 class Leases:
-    def __init__(self, redis: aioredis.Redis, keys: Keys, settings: Settings,
+    def __init__(self, redis: Any, keys: Keys, settings: Settings,
                  on_lapsed: Callable[[list[str]], Awaitable[None]]) -> None:
         self.redis = redis
         self.keys = keys
+        self.cluster = is_cluster(settings.redis_url)
         self.grace_ms = int(settings.resume_grace * 1000)
         self.log_ttl_ms = int(settings.resume_ttl * 1000)
         # With RESUME_GRACE=0 a disconnect cancels at once and nothing is leased.
@@ -92,9 +93,18 @@ class Leases:
     async def extend(self, heads: list[str], request_ids: Sequence[str] = ()) -> None:
         """Leases of `heads` to RESUME_GRACE from now (those that still exist), logs of `request_ids`
         to RESUME_TTL."""
-        if heads:
-            await self.redis.eval(_EXTEND, 2, self.keys.leases, self.keys.log(""), self.grace_ms, self.log_ttl_ms,
-                                  len(heads), *heads, *request_ids)
+        if not heads:
+            return
+        logs = [self.keys.log(rid) for rid in request_ids] if self.log_ttl_ms else []
+        keys = [self.keys.leases, *([] if self.cluster else logs)]
+        if not self.cluster or not logs:
+            await self.redis.eval(_EXTEND, len(keys), *keys, self.grace_ms, self.log_ttl_ms, *heads)
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.eval(_EXTEND, len(keys), *keys, self.grace_ms, self.log_ttl_ms, *heads)
+        for log_key in logs:
+            pipe.pexpire(log_key, self.log_ttl_ms)
+        await pipe.execute()
 
     async def _run(self) -> None:
         while True:
@@ -105,7 +115,7 @@ class Leases:
                 lapsed = await self.redis.eval(_CLAIM, 1, self.keys.leases, CLAIM_BATCH)
                 if lapsed:
                     await self.on_lapsed([head.decode() for head in lapsed])
-            except (RedisError, OSError) as exc:
+            except (*REDIS_ERRORS, OSError) as exc:
                 log.debug("leases not extended or swept", extra={"error": str(exc)})
             except Exception:
                 log.exception("lease sweep failed")

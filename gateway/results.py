@@ -7,7 +7,10 @@ The pub/sub connection is a plain asyncio stream parsed by hiredis: each read
 returns every message that arrived meanwhile, and the pump routes them all in one
 loop. redis-py's `PubSub` spends several coroutine layers on every message, a
 fifth of the gateway's time at 1,000 streams; its commands need no reply but the
-subscription's confirmation, which arrives through the pump like any message."""
+subscription's confirmation, which arrives through the pump like any message.
+
+With Sentinel, each connection goes to the server Sentinel names as the primary. In a Redis Cluster
+the results travel by sharded pub/sub instead, one connection per node: gateway/shards.py."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from redis.asyncio.connection import SSLConnection, parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
+from common.clients import RedisTarget, async_sentinel, parse_redis_url
 from common.errors import ErrorCode
 from common.protocol import Error, Keys, Result
 from gateway.mailbox import Mailbox
@@ -30,15 +34,59 @@ from gateway.mailbox import Mailbox
 log = logging.getLogger("gateway")
 
 READ_BYTES = 1 << 16
+CONNECT_SECONDS = 5.0
 FIRST_CONNECT_SECONDS = 5.0
 MAX_BACKOFF = 5.0
 LOST = Error(ErrorCode.REDIS_UNAVAILABLE, "the connection to Redis broke while the request was in flight")
+NODE_LOST = Error(ErrorCode.REDIS_UNAVAILABLE, "a Redis cluster node was lost while the request was in flight")
+MOVED = Error(ErrorCode.REDIS_UNAVAILABLE, "the request's results channel moved to another Redis cluster node "
+              "while the request was in flight")
+# The errors a gateway puts in a mailbox itself, which nothing in Redis records (gateway/streams.py does).
+BROKEN = (LOST, NODE_LOST, MOVED)
 
 
 def command(*parts: str | bytes) -> bytes:
     """One Redis command in RESP, the protocol's request form."""
     encoded = [part.encode() if isinstance(part, str) else part for part in parts]
     return b"*%d\r\n" % len(encoded) + b"".join(b"$%d\r\n%s\r\n" % (len(part), part) for part in encoded)
+
+
+async def open_node(host: str, port: int, target: RedisTarget, primary: bool = False
+                    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A raw connection to one server of a cluster or of Sentinel's, authenticated before it is handed
+    over; with `primary`, refused unless the server says it is a primary (during a failover Sentinel may
+    still name the old one for a moment)."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_SECONDS)
+    try:
+        expected = 0
+        if target.password:
+            writer.write(command("AUTH", *target.credentials().values()))
+            expected += 1
+        if primary:
+            writer.write(command("ROLE"))
+            expected += 1
+        replies = await asyncio.wait_for(_replies(reader, expected), CONNECT_SECONDS)
+        for reply in replies:
+            if isinstance(reply, hiredis.ReplyError):
+                raise RedisConnectionError(f"Redis at {host}:{port} refused the pub/sub connection: {reply}")
+        if primary and not (isinstance(replies[-1], list) and replies[-1][:1] == [b"master"]):
+            raise RedisConnectionError(f"Redis at {host}:{port} is not the primary (a failover is under way)")
+    except BaseException:
+        writer.close()
+        raise
+    return reader, writer
+
+
+async def _replies(reader: asyncio.StreamReader, count: int) -> list[object]:
+    parser, replies = hiredis.Reader(), []
+    while len(replies) < count:
+        data = await reader.read(READ_BYTES)
+        if not data:
+            raise RedisConnectionError("Redis closed the connection")
+        parser.feed(data)
+        while (reply := parser.gets()) is not False:
+            replies.append(reply)
+    return replies
 
 
 async def connect(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -59,6 +107,9 @@ async def connect(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]
 class ResultRouter:
     def __init__(self, redis_url: str, keys: Keys, limit: int, buffer_bytes: int = 0) -> None:
         self.redis_url = redis_url
+        self.target = parse_redis_url(redis_url)
+        # With Sentinel, each connection goes to the server it names as the primary at that moment.
+        self.sentinel = async_sentinel(self.target) if self.target.mode == "sentinel" else None
         self.keys = keys
         self.limit = limit
         self.buffer_bytes = buffer_bytes
@@ -112,7 +163,7 @@ class ResultRouter:
         backoff = 0.1
         while True:
             try:
-                reader, writer = await connect(self.redis_url)
+                reader, writer = await self._connect()
                 backoff = 0.1
                 await self._route(reader, writer)
             except (RedisError, OSError) as exc:
@@ -121,6 +172,12 @@ class ResultRouter:
                 self._fail_all()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF)
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if self.sentinel is None:
+            return await connect(self.redis_url)
+        host, port = await self.sentinel.discover_master(self.target.service)
+        return await open_node(host, port, self.target, primary=True)
 
     async def _route(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Route whatever arrives until the connection ends, which raises."""

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from redis import RedisError
 
 from common.errors import ErrorCode
 from common.protocol import Token
+from common.runtime import REDIS_ERRORS
 from gateway.errors import ApiError
 from gateway.formats import EventResponse, done_fields, seed_events
 from gateway.schemas import GenerateRequest
@@ -41,9 +41,9 @@ async def generate(body: GenerateRequest, request: Request) -> JSONResponse:
 async def health(request: Request) -> JSONResponse:
     bus = bus_of(request)
     try:
-        await bus.redis.ping()
+        await bus.ping()
         workers = await bus.live_workers()
-    except (RedisError, OSError):
+    except (*REDIS_ERRORS, OSError):
         return JSONResponse({"status": "unavailable", "redis": False, "workers": 0}, status_code=503)
     return JSONResponse({"status": "ok" if workers else "no_workers", "redis": True, "workers": len(workers),
                          "slots": sum(w.slots for w in workers), "running": sum(w.running for w in workers)})

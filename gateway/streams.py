@@ -22,14 +22,15 @@ from typing import TypeVar
 
 import anyio
 from fastapi import Request
-from redis.exceptions import RedisError
 
 from common.errors import ErrorCode, status_of
 from common.protocol import Done, Error, ProtocolError, Result, StreamMeta, Submit, Token, decode
+from common.runtime import REDIS_ERRORS
 from gateway import metrics
 from gateway.bus import Bus, Refused
 from gateway.errors import ApiError, ClientGone, retry_headers
 from gateway.mailbox import Mailbox
+from gateway.results import BROKEN
 from gateway.sse import format_id
 
 log = logging.getLogger("gateway")
@@ -267,13 +268,26 @@ class ResultStream:
         stream that may be resumed is left to its lease; any other is cancelled."""
         if client_left is None:
             client_left = not self.sent_all
-        if self.all_ended:
+        broken = [choice for choice, error in self.errors.items() if any(error is b for b in BROKEN)]
+        if self.all_ended and broken:
+            await self._end(self._settle_broken(broken))
+        elif self.all_ended:
             await self._end(self.bus.finish(self.request_ids, self.tenant, self.delivered(), not self.resumed))
         elif client_left and self.meta is not None and self.bus.leases.enabled:
             await self._end(self.bus.detach(self.request_ids, self.pending(), self.delivered()))
         else:
             why = "its client left" if client_left else "the stream ended early (another choice failed)"
             await self.cancel(Error(ErrorCode.CANCELLED, f"the request was cancelled: {why}"))
+
+    async def _settle_broken(self, choices: list[int]) -> None:
+        """Choices that ended because this gateway lost its connection to Redis (or, in a cluster, a node):
+        their requests may still run, and their logs do not say they ended, so a client resuming them (an
+        EventSource does, after an error) would wait for ever. Cancelled, with the error in their logs, as
+        far as Redis can be reached again."""
+        rids = [self.request_ids[choice] for choice in choices]
+        if self.meta is not None:
+            await self.bus.record(rids, self.errors[choices[0]])
+        await self.bus.cancel(self.request_ids, self.tenant, rids, self.delivered(), None, logged=False)
 
     async def cancel(self, error: Error | None = None) -> None:
         """Cancel whatever has not ended now, with `error` in its logs."""
@@ -296,10 +310,10 @@ class ResultStream:
                 self.bus.leases.let_go(self.head)
             if self._subscription is not None:
                 metrics.ACTIVE.dec()
-                with contextlib.suppress(RedisError, OSError):
+                with contextlib.suppress(*REDIS_ERRORS, OSError):
                     await self._subscription.__aexit__(None, None, None)
             if ending is not None:
-                with contextlib.suppress(RedisError, OSError):
+                with contextlib.suppress(*REDIS_ERRORS, OSError):
                     await ending
 
     def pending(self) -> list[str]:

@@ -22,10 +22,10 @@ from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 import httpx
-import redis
 from prometheus_client import Counter
 
-from common.runtime import Backoff
+from common.clients import parse_redis_url, sync_client
+from common.runtime import REDIS_ERRORS, Backoff
 from common.settings import Settings, SettingsError
 from common.telemetry import serve_metrics, setup_logging
 
@@ -77,8 +77,8 @@ def popen(command: list[str], **options: Any) -> subprocess.Popen[bytes]:
 
 def redis_reachable(url: str) -> bool:
     try:
-        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
-    except (redis.RedisError, OSError):
+        return bool(sync_client(url, socket_connect_timeout=1).ping())
+    except (*REDIS_ERRORS, OSError):
         return False
 
 
@@ -270,11 +270,16 @@ class PrivateStack:
     url: str
     stack: Stack
     redis_url: str
-    redis_process: subprocess.Popen[bytes]
+    redis_process: subprocess.Popen[bytes] | None
     # Every gateway's URL, `url` first.
     urls: list[str] = field(default_factory=list)
+    # A cluster or a Sentinel group (llmserve/topology.py) in place of the one redis-server.
+    topology: Any = None
 
     def stop_redis(self) -> None:
+        if self.topology is not None:
+            self.topology.stop()
+            return
         self.redis_process.terminate()
         self.redis_process.wait()
 
@@ -301,15 +306,25 @@ def _port_free(port: int) -> bool:
 
 
 @contextmanager
-def private_stack(workers: int, gateways: int = 1, **settings: str) -> Iterator[PrivateStack]:
-    """Its own redis-server on a free port and every service (`gateways` of them on consecutive
-    ports), with `settings` on top of the environment; yields once all workers serve."""
-    redis_url = f"redis://127.0.0.1:{free_port()}/0"
+def private_stack(workers: int, gateways: int = 1, redis: str = "single", **settings: str) -> Iterator[PrivateStack]:
+    """Its own redis-server on a free port (`redis="cluster"`: a cluster of three masters;
+    `"cluster-with-replicas"`: each with a replica; `"sentinel"`: a primary, a replica and a Sentinel) and
+    every service (`gateways` of them on consecutive ports), with `settings` on top of the environment;
+    yields once all workers serve."""
+    topology = None
+    if redis == "single":
+        redis_url = f"redis://127.0.0.1:{free_port()}/0"
+        process = start_redis(redis_url)
+    else:
+        from llmserve.topology import start_cluster, start_sentinel
+
+        topology = start_sentinel() if redis == "sentinel" else start_cluster(replicas=int(redis.endswith("replicas")))
+        redis_url, process = topology.url, None
     port = free_ports(gateways)
     stack = Stack({**os.environ, "REDIS_URL": redis_url, "GATEWAY_HOST": "127.0.0.1", "GATEWAY_PORT": str(port),
                    **settings})
     urls = [f"http://127.0.0.1:{p}" for p in gateway_ports(stack.env, gateways)]
-    running = PrivateStack(urls[0], stack, redis_url, start_redis(redis_url), urls)
+    running = PrivateStack(urls[0], stack, redis_url, process, urls, topology)
     try:
         stack.start(workers, gateways)
         for url in urls:
@@ -343,6 +358,10 @@ def up(workers: int, gateways: int = 1) -> int:
     stack = Stack(env)
     try:
         if not redis_reachable(settings.redis_url):
+            if parse_redis_url(settings.redis_url).mode != "single":
+                print("llmserve up: nothing answers at REDIS_URL; an embedded Redis is started only for "
+                      "redis:// URLs, not for a cluster or Sentinel", file=sys.stderr)
+                return 1
             stack.processes.append(("redis", start_redis(settings.redis_url, settings.redis_maxmemory)))
         stack.start(workers, gateways)
         for name, _ in stack.processes:

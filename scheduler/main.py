@@ -18,6 +18,7 @@ import uuid
 
 import redis
 
+from common.clients import sync_client
 from common.errors import ErrorCode
 from common.protocol import (
     DEAD_LETTER_MAXLEN,
@@ -39,7 +40,7 @@ from common.protocol import (
     now,
 )
 from common.resultlog import publish_results
-from common.runtime import Backoff, decode_or_drop, parse_heartbeats, redis_trouble, service_id
+from common.runtime import REDIS_ERRORS, Backoff, decode_or_drop, parse_heartbeats, redis_trouble, service_id
 from common.settings import Settings
 from common.telemetry import serve_metrics, setup_logging
 from common.trace import stamp
@@ -65,8 +66,7 @@ class Scheduler:
         self.settings = settings
         self.tracing = Tracing("scheduler")
         self.keys = Keys(settings.namespace)
-        self.redis = redis.Redis.from_url(settings.redis_url)
-        self.lease_script = self.redis.register_script(_LEASE)
+        self.redis = sync_client(settings.redis_url)
         self.limit = settings.max_message_bytes
         self.id = service_id()
         self.stopping = False
@@ -97,7 +97,7 @@ class Scheduler:
                         self._reset()
                     time.sleep(self.settings.heartbeat_interval)
                 backoff.reset()
-            except redis.RedisError as exc:
+            except REDIS_ERRORS as exc:
                 if not redis_trouble(exc):
                     raise
                 delay = backoff.next()
@@ -107,11 +107,11 @@ class Scheduler:
                 time.sleep(delay)
         if self.leading:
             # A successor need not count the entries we held as having crashed us.
-            with contextlib.suppress(redis.RedisError):
+            with contextlib.suppress(*REDIS_ERRORS):
                 self.redis.set(self.keys.clean_exit, self.id, px=int(self.settings.worker_ttl * 10_000))
 
     def _hold_lease(self) -> bool:
-        return bool(self.lease_script(keys=[self.keys.lease], args=[self.id, int(self.settings.worker_ttl * 1000)]))
+        return bool(self.redis.eval(_LEASE, 1, self.keys.lease, self.id, int(self.settings.worker_ttl * 1000)))
 
     def _take_over(self) -> None:
         self._reset()
@@ -304,7 +304,9 @@ class Scheduler:
             except Exception:
                 log.exception("a request could not be migrated; set aside", extra={"request_id": rid.decode()})
                 self._dead_letter(pipe, submit, "it raised while migrating")
-        pipe.delete(self.keys.assigned(worker_id), self.keys.inbox(worker_id))
+        # One key a command: a cluster pipeline takes no multi-key DEL.
+        pipe.delete(self.keys.assigned(worker_id))
+        pipe.delete(self.keys.inbox(worker_id))
         pipe.srem(self.keys.workers, worker_id)
         pipe.execute()
 

@@ -10,6 +10,7 @@ import httpx
 import pytest
 import redis
 
+from common.clients import sync_client
 from common.protocol import Keys
 from llmserve.launcher import Stack, free_port, private_stack
 from llmserve.launcher import wait_until as wait_for
@@ -53,4 +54,4 @@ def stack() -> Iterator[RunningStack]:
     settings = {"NAMESPACE": "test", "WORKER_THREADS": "1", "HEARTBEAT_INTERVAL": "0.3", "WORKER_TTL": "2",
                 "SCHEDULER_METRICS_PORT": str(free_port()), "WORKER_METRICS_PORT": str(free_port())}
     with private_stack(STACK_WORKERS, **settings) as running:
-        yield RunningStack(running.url, redis.Redis.from_url(running.redis_url), Keys("test"), running.stack)
+        yield RunningStack(running.url, sync_client(running.redis_url), Keys("test"), running.stack)

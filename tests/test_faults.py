@@ -13,6 +13,7 @@ import httpx
 import pytest
 import redis
 
+from common.clients import sync_client
 from common.protocol import Error, Keys, Result, SamplingParams, Submit, decode
 from common.settings import Settings
 from llmserve.launcher import PrivateStack, Stack, free_port, private_stack
@@ -35,7 +36,7 @@ def chaos() -> Iterator[PrivateStack]:
 
 
 def client_of(running: PrivateStack) -> redis.Redis:
-    return redis.Redis.from_url(running.redis_url)
+    return sync_client(running.redis_url)
 
 
 def pid_of(process_id: str) -> int:
@@ -159,19 +160,19 @@ def test_a_standby_scheduler_takes_over_queued_requests(chaos: PrivateStack) -> 
     url = f"http://127.0.0.1:{port}"
     r = client_of(chaos)
     try:
-        wait_for(lambda: responds(f"{url}/health") and r.get("standby:scheduler:lease"), 30,
+        wait_for(lambda: responds(f"{url}/health") and r.get(Keys("standby").lease), 30,
                  "the gateway and a leader")
-        leader_pid = pid_of(r.get("standby:scheduler:lease").decode())
+        leader_pid = pid_of(r.get(Keys("standby").lease).decode())
         leader = next(process for _, process in services.processes if process.pid == leader_pid)
         body = {"prompt": "Hi", "max_tokens": 2, "timeout": 6}
         with ThreadPoolExecutor(3) as pool:
             answers = [pool.submit(httpx.post, f"{url}/generate", json=body, timeout=60) for _ in range(3)]
-            wait_for(lambda: r.get("standby:queued") == b"3", 10, "three queued requests")
+            wait_for(lambda: r.get(Keys("standby").queued) == b"3", 10, "three queued requests")
             leader.kill()
             statuses = [a.result().status_code for a in answers]
         assert statuses == [503, 503, 503]
         assert all(a.result().json()["error"]["code"] == "queue_timeout" for a in answers)
-        assert r.get("standby:queued") == b"0"
+        assert r.get(Keys("standby").queued) == b"0"
     finally:
         services.stop()
 

@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 
+from common.protocol import Keys
 from tests.conftest import RunningStack, wait_for
 from tests.test_stack import heartbeats
 
@@ -191,7 +192,7 @@ def test_a_full_queue_answers_429_and_waiting_requests_time_out(stack: RunningSt
         for response in responses:
             assert response.headers["retry-after"] == "1"
             assert response.json()["error"]["code"] in {"queue_full", "queue_timeout"}
-        assert int(stack.redis.get("burst:queued")) == 0
+        assert int(stack.redis.get(Keys("burst").queued)) == 0
     finally:
         services.stop()
 
@@ -201,6 +202,6 @@ def test_a_client_that_leaves_while_queued_is_removed_from_the_queue(stack: Runn
     try:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=1)
-        wait_for(lambda: stack.redis.get("queued:queued") == b"0", 5, "the queued request to be cancelled")
+        wait_for(lambda: stack.redis.get(Keys("queued").queued) == b"0", 5, "the queued request to be cancelled")
     finally:
         services.stop()

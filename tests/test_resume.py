@@ -21,6 +21,7 @@ import httpx
 import pytest
 import redis
 
+from common.clients import sync_client
 from common.protocol import Done, Heartbeat, Keys, SamplingParams, StreamMeta, Submit, Token, decode, encode
 from common.resultlog import LOG_HEAD, publish_results
 from common.settings import Settings
@@ -115,7 +116,7 @@ def sim_text(prompt: str, tokens: int) -> str:
 
 def running(stack: PrivateStack) -> int:
     """Sequences the workers run, from their heartbeats (the gateway's /health caches them for a second)."""
-    client, keys = redis.Redis.from_url(stack.redis_url), Keys(stack.stack.env["NAMESPACE"])
+    client, keys = sync_client(stack.redis_url), Keys(stack.stack.env["NAMESPACE"])
     ids = [m.decode() for m in client.smembers(keys.workers)]
     beats = [decode(raw, Heartbeat, 1 << 20) for raw in client.mget([keys.heartbeat(i) for i in ids]) if raw]
     return sum(beat.running for beat in beats)
@@ -224,7 +225,7 @@ def test_only_the_key_that_created_a_stream_may_resume_it(sim: PrivateStack) -> 
         assert resume(url, "0" * 32, None).status == 404  # unknown: the same answer
         assert resume(url, rid, None, headers={}).status == 401
     # The second choice's request_id does not name the stream: the same 404.
-    header = redis.Redis.from_url(sim.redis_url).lindex(Keys(NAMESPACE).log(rid), LOG_HEAD - 1)
+    header = sync_client(sim.redis_url).lindex(Keys(NAMESPACE).log(rid), LOG_HEAD - 1)
     assert resume(first, decode(header, StreamMeta, 1 << 20).request_ids[1], None).status == 404
     rest = resume(second, rid, broken.events[-1].id)
     assert rest.status == 200 and rest.events[-1].data == "[DONE]"
@@ -290,7 +291,7 @@ def test_a_client_back_within_the_grace_keeps_its_request_and_delete_cancels_it(
 def test_a_log_trimmed_past_the_clients_position_is_a_410(sim: PrivateStack) -> None:
     done = read(sim.urls[0], "/generate_stream", "POST", {"prompt": "trimmed", "max_tokens": 20}, ALPHA)
     rid = done.headers["x-request-id"]
-    client, log = redis.Redis.from_url(sim.redis_url), Keys(NAMESPACE).log(rid)
+    client, log = sync_client(sim.redis_url), Keys(NAMESPACE).log(rid)
     count, header, *results = client.lrange(log, 0, -1)
     client.delete(log)
     client.rpush(log, count, header, *results[10:])  # what the bound in bytes leaves of a long stream

@@ -145,8 +145,9 @@ def test_a_soak_of_valid_and_hostile_traffic_through_kills_and_a_redis_restart(s
     # RESUME_GRACE later, and its last hop restarts its trace's TTL).
 
     def leftovers() -> list[str]:
-        return [k.decode() for k in r.scan_iter(f"{NS}:*")
-                if k.decode().split(":")[1] in ("progress", "trace", "out", "inflight", "log")]
+        per_request = [k.decode() for k in r.scan_iter(f"{NS}:*")
+                       if k.decode().split(":")[1] in ("progress", "trace", "out", "log")]
+        return per_request + [k.decode() for k in r.scan_iter(KEYS.in_flight("*"))]
 
     wait_for(lambda: not leftovers(), RESUME_GRACE + TRACE_TTL + 10, "per-request keys to expire", 0.5)
     assert r.xlen(KEYS.requests) == 0 and r.xlen(KEYS.events) == 0

@@ -13,6 +13,7 @@ from typing import Any
 
 import redis
 
+from common.clients import sync_client
 from common.errors import ErrorCode
 from common.prefix import prefix_keys
 from common.protocol import (
@@ -36,7 +37,7 @@ from common.protocol import (
     now,
 )
 from common.resultlog import publish_results
-from common.runtime import Backoff, decode_or_drop, parse_heartbeats, redis_trouble, service_id
+from common.runtime import REDIS_ERRORS, Backoff, decode_or_drop, parse_heartbeats, redis_trouble, service_id
 from common.settings import Settings
 from common.telemetry import serve_metrics, setup_logging
 from common.trace import stamp
@@ -67,7 +68,7 @@ class Worker:
     def __init__(self, settings: Settings, loaded: Model, engine: Engine) -> None:
         self.settings = settings
         self.keys = Keys(settings.namespace)
-        self.redis = redis.Redis.from_url(settings.redis_url)
+        self.redis = sync_client(settings.redis_url)
         self.id = service_id()
         self.loaded = loaded
         self.engine = engine
@@ -112,14 +113,14 @@ class Worker:
             try:
                 self._tend()
                 backoff.reset()
-            except redis.RedisError as exc:
+            except REDIS_ERRORS as exc:
                 if not redis_trouble(exc):
                     raise
                 self._lose_redis(exc, backoff.next())
         self.beating = False
         self.beat_now.set()
         heartbeats.join()
-        with contextlib.suppress(redis.RedisError):
+        with contextlib.suppress(*REDIS_ERRORS):
             self.redis.srem(self.keys.workers, self.id)
             self.redis.delete(self.keys.heartbeat(self.id))
             if self.handing_off and self.engine.has_work():
@@ -136,18 +137,30 @@ class Worker:
         if self.handing_off is None:
             try:
                 self.handing_off = self.settings.drain_mode == "auto" and self._others_have_room()
-            except redis.RedisError:
+            except REDIS_ERRORS:
                 self.handing_off = False
             log.info("drain", extra={"worker_id": self.id, "hand_off": self.handing_off})
         return self.handing_off or not self.engine.has_work() or now() > self.drain_until
 
     def _tend(self) -> None:
         if self.orphans:
-            for request_id in self.orphans:
-                self._fail(request_id, ErrorCode.REDIS_UNAVAILABLE, "the worker lost Redis while generating")
-            self.orphans = []
+            self._fail_orphans()
         self._read_inbox(block=not self.engine.has_work())
         self._step()
+
+    def _fail_orphans(self) -> None:
+        """Tell each dropped request's client, once each: in a cluster that lost a node, some clients can be
+        told while others' slots still have no node. Raises the last failure, so that the loop backs off."""
+        left, trouble = [], None
+        for request_id in self.orphans:
+            try:
+                self._fail(request_id, ErrorCode.REDIS_UNAVAILABLE, "the worker lost Redis while generating")
+            except REDIS_ERRORS as exc:
+                left.append(request_id)
+                trouble = exc
+        self.orphans = left
+        if trouble is not None:
+            raise trouble
 
     def _lose_redis(self, exc: Exception, backoff: float) -> None:
         """Whatever was in flight cannot be delivered in order any more: drop it, and tell its
@@ -165,7 +178,7 @@ class Worker:
         while self.beating:
             try:
                 self._heartbeat()
-            except redis.RedisError as exc:
+            except REDIS_ERRORS as exc:
                 log.debug("heartbeat not sent", extra={"worker_id": self.id, "error": str(exc)})
             self.beat_now.wait(self.settings.heartbeat_interval)
             self.beat_now.clear()

@@ -1,0 +1,229 @@
+"""Private Redis deployments on free loopback ports, for tests and benchmarks: a Redis Cluster of three
+masters (`redis-server --cluster-enabled yes`, joined with `redis-cli --cluster create`) and a primary with
+one replica watched by one Sentinel (`redis-server --sentinel`). Each keeps nothing on disk but its
+configuration, in a temporary directory, and gives the REDIS_URL that reaches it."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from llmserve.launcher import popen, redis_server_binary, wait_until
+
+# A cluster node also listens on its port + 10000 (the cluster bus).
+BUS_OFFSET = 10000
+NODE_TIMEOUT_MS = 2000
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_node_port(taken: set[int]) -> int:
+    """A free port whose cluster-bus port is free as well."""
+    for _ in range(200):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port + BUS_OFFSET < 65536 and port not in taken and _port_free(port + BUS_OFFSET):
+            return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+def _pings(port: int) -> bool:
+    try:
+        return bool(redis.Redis(port=port, socket_connect_timeout=0.5).ping())
+    except (redis.RedisError, OSError):
+        return False
+
+
+def _server_args(port: int) -> list[str]:
+    return [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--maxmemory", "1gb", "--maxmemory-policy", "noeviction"]
+
+
+@dataclass
+class Cluster:
+    """A Redis Cluster. Without replicas, killing a master leaves its slots unserved until it returns; with
+    them, a replica takes its slots over after the node timeout."""
+
+    ports: list[int]
+    workdir: tempfile.TemporaryDirectory[str]
+    replicas: int = 0  # per master
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{port}" for port in self.ports)
+
+    def _spawn(self, index: int) -> subprocess.Popen[bytes]:
+        port = self.ports[index]
+        return popen([*_server_args(port), "--dir", self.workdir.name, "--dbfilename", f"dump-{port}.rdb",
+                      "--repl-diskless-sync-delay", "0", "--cluster-enabled", "yes",
+                      "--cluster-config-file", f"nodes-{port}.conf", "--cluster-node-timeout", str(NODE_TIMEOUT_MS)],
+                     stdout=subprocess.DEVNULL)
+
+    def start(self) -> None:
+        self.processes = [self._spawn(i) for i in range(len(self.ports))]
+        for port in self.ports:
+            wait_until(lambda port=port: _pings(port), 10, f"cluster node on port {port}")
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            raise RuntimeError("redis-cli is needed to join the cluster")
+        subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
+                        "--cluster-replicas", str(self.replicas), "--cluster-yes"], check=True, capture_output=True,
+                       timeout=30)
+        self.wait_ok()
+        # A replica that has not synced yet could not take over from its master.
+        wait_until(lambda: all(self._in_sync(port) for port in self.ports), 30, "the replicas in sync")
+
+    def _in_sync(self, port: int) -> bool:
+        info = redis.Redis(port=port).info("replication")
+        return info["role"] == "master" or info.get("master_link_status") == "up"
+
+    def wait_ok(self, timeout: float = 30) -> None:
+        """Until every node says the cluster serves all its slots."""
+        wait_until(lambda: all(self.state(port) == "ok" for port in self.ports), timeout, "cluster_state:ok")
+
+    def state(self, port: int) -> str:
+        try:
+            info = redis.Redis(port=port, socket_connect_timeout=0.5).cluster("INFO")
+        except (redis.RedisError, OSError):
+            return "unreachable"
+        return str(info.get("cluster_state", ""))
+
+    def kill(self, index: int) -> None:
+        self.processes[index].kill()
+        self.processes[index].wait()
+
+    def restart(self, index: int) -> None:
+        """The node again, from its cluster configuration: it serves its slots as before."""
+        self.processes[index] = self._spawn(index)
+        wait_until(lambda: _pings(self.ports[index]), 10, "the restarted node")
+        self.wait_ok()
+
+    def stop(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes:
+            process.wait(10)
+        self.workdir.cleanup()
+
+
+def start_cluster(masters: int = 3, replicas: int = 0) -> Cluster:
+    ports: list[int] = []
+    for _ in range(masters * (1 + replicas)):
+        ports.append(free_node_port(set(ports)))
+    cluster = Cluster(ports, tempfile.TemporaryDirectory(prefix="llmserve-cluster-"), replicas)
+    try:
+        cluster.start()
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+@dataclass
+class SentinelGroup:
+    """A primary, one replica, and one Sentinel (quorum 1) that fails over between them."""
+
+    service: str
+    ports: list[int]  # the two data servers
+    sentinel_port: int
+    workdir: tempfile.TemporaryDirectory[str]
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"redis+sentinel://127.0.0.1:{self.sentinel_port}/{self.service}"
+
+    @property
+    def sentinel(self) -> redis.Redis:
+        return redis.Redis(port=self.sentinel_port, socket_connect_timeout=1)
+
+    def primary_port(self) -> int:
+        _, port = self.sentinel.sentinel_get_master_addr_by_name(self.service)
+        return int(port)
+
+    def start(self) -> None:
+        first, second = self.ports
+        # A replica keeps the copy it receives in its directory.
+        def files(port: int) -> list[str]:
+            return ["--dir", self.workdir.name, "--dbfilename", f"dump-{port}.rdb"]
+
+        self.processes.append(popen([*_server_args(first), *files(first)], stdout=subprocess.DEVNULL))
+        self.processes.append(popen([*_server_args(second), *files(second), "--replicaof", "127.0.0.1", str(first)],
+                                    stdout=subprocess.DEVNULL))
+        for port in self.ports:
+            wait_until(lambda port=port: _pings(port), 10, f"redis-server on port {port}")
+        config = Path(self.workdir.name) / "sentinel.conf"
+        config.write_text(f"port {self.sentinel_port}\nbind 127.0.0.1\ndir {self.workdir.name}\n"
+                          f"sentinel monitor {self.service} 127.0.0.1 {first} 1\n"
+                          f"sentinel down-after-milliseconds {self.service} 1000\n"
+                          f"sentinel failover-timeout {self.service} 5000\n")
+        self.processes.append(popen([redis_server_binary(), str(config), "--sentinel"], stdout=subprocess.DEVNULL))
+        wait_until(self._ready, 30, "the replica in sync and known to Sentinel")
+
+    def _ready(self) -> bool:
+        try:
+            replicas = self.sentinel.sentinel_slaves(self.service)
+            healthy = [r for r in replicas if r["is_slave"] and not (r["is_sdown"] or r["is_disconnected"])]
+            return bool(healthy) and self._replica_in_sync()
+        except (redis.RedisError, OSError):
+            return False
+
+    def _replica_in_sync(self) -> bool:
+        replica = next(p for p in self.ports if p != self.primary_port())
+        info = redis.Redis(port=replica).info("replication")
+        return info.get("master_link_status") == "up"
+
+    def failover(self, timeout: float = 30) -> int:
+        """Promote the replica now (`SENTINEL FAILOVER`); returns the new primary's port once Sentinel names
+        it and it acts as one."""
+        before = self.primary_port()
+        self.sentinel.execute_command("SENTINEL", "FAILOVER", self.service)
+
+        def promoted() -> int:
+            port = self.primary_port()
+            return port if port != before and redis.Redis(port=port).info("replication")["role"] == "master" else 0
+
+        return wait_until(promoted, timeout, "the failover")
+
+    def settle(self, timeout: float = 30) -> None:
+        """Until the old primary follows the new one and Sentinel knows it again: ready to fail over back."""
+        wait_until(self._ready, timeout, "the demoted primary to follow the new one")
+
+    def stop(self) -> None:
+        for process in reversed(self.processes):
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes:
+            process.wait(10)
+        self.workdir.cleanup()
+
+
+def start_sentinel(service: str = "llmserve") -> SentinelGroup:
+    taken: set[int] = set()
+    for _ in range(3):
+        taken.add(free_node_port(taken))
+    first, second, sentinel_port = sorted(taken)
+    group = SentinelGroup(service, [first, second], sentinel_port,
+                          tempfile.TemporaryDirectory(prefix="llmserve-sentinel-"))
+    try:
+        group.start()
+    except BaseException:
+        group.stop()
+        raise
+    return group
