@@ -30,7 +30,7 @@ from common.settings import Settings, SettingsError
 from gateway.shards import ShardedRouter
 from llmserve.launcher import PrivateStack, free_port, private_stack, wait_until
 from llmserve.topology import Cluster, start_cluster
-from tests import test_faults, test_openai, test_resume, test_stack
+from tests import test_faults, test_openai, test_resume, test_stack, test_structured, test_tokenize
 from tests.conftest import RunningStack
 from tests.sse import events
 
@@ -340,6 +340,10 @@ test_a_client_back_within_the_grace_keeps_its_request_and_delete_cancels_it = (
     test_resume.test_a_client_back_within_the_grace_keeps_its_request_and_delete_cancels_it)
 test_a_log_trimmed_past_the_clients_position_is_a_410 = (
     test_resume.test_a_log_trimmed_past_the_clients_position_is_a_410)
+test_counts_are_what_generation_bills_and_ids_round_trip = (
+    test_tokenize.test_counts_are_what_generation_bills_and_ids_round_trip)
+test_a_tool_call_stream_broken_mid_call_resumes_exactly = (
+    test_structured.test_a_tool_call_stream_broken_mid_call_resumes_exactly)
 test_a_killed_workers_stream_continues_on_another_without_loss_or_duplicate = (
     test_faults.test_a_killed_workers_stream_continues_on_another_without_loss_or_duplicate)
 test_the_scheduler_restarts_under_load_and_nothing_is_lost = (
