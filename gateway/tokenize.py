@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
 from common.errors import ErrorCode
-from common.protocol import Detokenize, Error, Reply, Tokenize, Tokens
+from common.protocol import Detokenize, Error, ProtocolError, Reply, Tokenize, Tokens
 from gateway.errors import ApiError
 from gateway.schemas import MAX_TOKENS, ChatRequestMessage, Text, ToolDefinition, new_request_id
 from gateway.streams import api_error
@@ -57,7 +57,11 @@ async def _ask(request: Request, model: str | None, job: Tokenize | Detokenize) 
                           f"{worker.vocab - 1})", "tokens")
     request.state.request_id = job.request_id
     async with bus.router.open([job.request_id], kind=Reply) as mailbox:
-        await bus.tell(worker.worker_id, job)
+        try:
+            await bus.tell(worker.worker_id, job)
+        except ProtocolError:
+            raise ApiError.of(ErrorCode.REQUEST_TOO_LARGE, "the request does not fit one bus message "
+                              "(MAX_MESSAGE_BYTES)") from None
         try:
             _, reply = await asyncio.wait_for(mailbox.get(), ANSWER_SECONDS)
         except TimeoutError:

@@ -56,3 +56,10 @@ def test_bad_input_is_a_4xx_and_no_worker_is_a_503(stack: RunningStack) -> None:
     finally:
         extra.stop()
     assert post(stack, "/tokenize", {"prompt": "still here"}).json()["count"] > 0
+
+
+def test_an_answer_too_large_for_the_bus_is_a_413_and_the_worker_goes_on(stack: RunningStack) -> None:
+    huge = post(stack, "/tokenize", {"prompt": "word " * 180_000, "return_token_strs": True})
+    assert huge.status_code == 413 and huge.json()["error"]["code"] == "request_too_large"
+    assert post(stack, "/tokenize", {"prompt": "still here"}).json()["count"] > 0
+    assert httpx.get(f"{stack.url}/health", timeout=10).json()["workers"] == 2

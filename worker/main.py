@@ -29,10 +29,10 @@ from common.protocol import (
     Heartbeat,
     InboxMessage,
     Keys,
+    ProtocolError,
     Submit,
     Token,
     Tokenize,
-    Tokens,
     encode,
     now,
 )
@@ -295,14 +295,17 @@ class Worker:
 
     def _answer(self, job: Tokenize | Detokenize) -> None:
         """/tokenize and /detokenize, between two steps: the tokenizer is the model's, and only this loop uses it."""
+        limit = self.settings.max_message_bytes
         try:
-            reply: Tokens | Error = self.loaded.answer(job)
+            payload = encode(self.loaded.answer(job), limit)
+        except ProtocolError as exc:
+            payload = encode(Error(ErrorCode.REQUEST_TOO_LARGE, f"the answer does not fit one bus message: {exc}"),
+                             limit)
         except Exception as exc:  # whatever the text does to the tokenizer or its template, the worker goes on
             log.warning("tokenize failed", extra={"request_id": job.request_id, "error": str(exc)})
-            reply = Error(ErrorCode.INVALID_VALUE, f"the tokenizer could not take it: {exc}")
+            payload = encode(Error(ErrorCode.INVALID_VALUE, f"the tokenizer could not take it: {exc}"[:4096]), limit)
         pipe = self.redis.pipeline(transaction=False)
-        publish_results(pipe, self.keys, self.settings,
-                        [(job.request_id, encode(reply, self.settings.max_message_bytes), "")])
+        publish_results(pipe, self.keys, self.settings, [(job.request_id, payload, "")])
         pipe.execute()
 
     def _publish(self, result: StepResult, step_s: float) -> None:
