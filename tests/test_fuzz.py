@@ -16,6 +16,10 @@ from tests.conftest import RunningStack
 # fields) is left to the fuzzer.
 CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "n": 2}
 TIMEOUT_FLOOR = 30.0
+# A chat answer without a token limit runs to end-of-sequence, which a grammar may allow only much later (a
+# string the model never closes): such a body gets a limit too, since it would run to the model's context.
+CONSTRAINTS = {"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+               "guided_grammar", "tools"}
 EXAMPLES_PER_ROUTE_AND_MODE = 40
 
 
@@ -26,6 +30,8 @@ def _cap(body: object) -> None:
         value = body.get(field)
         if isinstance(value, int) and not isinstance(value, bool) and value > cap:
             body[field] = cap
+    if CONSTRAINTS & body.keys() and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        body["max_completion_tokens"] = CAPS["max_completion_tokens"]
     timeout = body.get("timeout")
     if isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout < TIMEOUT_FLOOR:
         body["timeout"] = TIMEOUT_FLOOR
