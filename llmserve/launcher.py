@@ -103,7 +103,7 @@ LISTEN_PORTS = range(20000, 32768)
 
 def free_port() -> int:
     for port in random.sample(LISTEN_PORTS, 50):
-        if _port_free(port):
+        if port_free(port):
             return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -291,12 +291,12 @@ def free_ports(count: int) -> int:
     """The first of `count` consecutive free ports."""
     for _ in range(100):
         first = free_port()
-        if all(_port_free(first + i) for i in range(1, count)):
+        if all(port_free(first + i) for i in range(1, count)):
             return first
     raise RuntimeError(f"no {count} consecutive free ports")
 
 
-def _port_free(port: int) -> bool:
+def port_free(port: int) -> bool:
     with socket.socket() as sock:
         try:
             sock.bind(("127.0.0.1", port))

@@ -6,7 +6,6 @@ configuration, in a temporary directory, and gives the REDIS_URL that reaches it
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
@@ -14,29 +13,18 @@ from pathlib import Path
 
 import redis
 
-from llmserve.launcher import popen, redis_server_binary, wait_until
+from llmserve.launcher import free_port, popen, port_free, redis_server_binary, wait_until
 
 # A cluster node also listens on its port + 10000 (the cluster bus).
 BUS_OFFSET = 10000
 NODE_TIMEOUT_MS = 2000
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
 def free_node_port(taken: set[int]) -> int:
     """A free port whose cluster-bus port is free as well."""
     for _ in range(200):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        if port + BUS_OFFSET < 65536 and port not in taken and _port_free(port + BUS_OFFSET):
+        port = free_port()
+        if port + BUS_OFFSET < 65536 and port not in taken and port_free(port + BUS_OFFSET):
             return port
     raise RuntimeError("no free port pair for a cluster node")
 
