@@ -77,7 +77,7 @@ def test_fused_llama_layers_give_the_same_bits_as_one_int8_linear_per_projection
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     fused, separate = LlamaForCausalLM(config).eval(), LlamaForCausalLM(config).eval()
     separate.load_state_dict(fused.state_dict())
-    assert quantize_int8(fused) == 7 * 2 + 1
+    assert quantize_int8(fused, rotate=False) == 7 * 2 + 1  # the rotation has tests of its own
     assert all(isinstance(layer, Int8LlamaLayer) for layer in fused.model.layers)
     for parent, name, child in [(p, n, c) for p in separate.modules() for n, c in p.named_children()]:
         if isinstance(child, nn.Linear):
