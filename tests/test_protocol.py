@@ -1,6 +1,10 @@
+import re
+from pathlib import Path
+
 import msgspec
 import pytest
 
+from common.errors import ErrorCode
 from common.protocol import (
     Batch,
     Cancel,
@@ -63,3 +67,13 @@ def test_malformed_messages_raise_a_clear_protocol_error(data: bytes) -> None:
 def test_wire_format_is_msgpack_with_a_type_tag() -> None:
     raw = msgspec.msgpack.decode(encode(Token(2, "a"), LIMIT))
     assert raw == {"type": "token", "index": 2, "text": "a"}
+
+
+def test_the_readme_error_table_lists_every_code_with_its_status() -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    table = readme.split("| case | status | `code` |\n", 1)[1].split("\n\n", 1)[0]
+    rows = [line.split(" | ") for line in table.splitlines()[1:]]
+    listed = {code: row[-2] for row in rows if len(row) >= 3 for code in re.findall(r"`([a-z_]+)`", row[-1])}
+    for code in ErrorCode:
+        assert code.value in listed, f"{code.value} is missing from the README's error table"
+        assert str(code.status) in listed[code.value], f"{code.value}: README says {listed[code.value]!r}"
