@@ -281,6 +281,10 @@ class Keys:
     def workers(self) -> str:
         return self._shared("workers")
 
+    def tokens(self, second: int) -> str:
+        """Output tokens all gateways delivered in one second of Unix time (the cluster view's rate)."""
+        return self._shared(f"tokens:{second}")
+
     def heartbeat(self, worker_id: str) -> str:
         """Shared tag: the services read every worker's heartbeat with one MGET."""
         return self._shared(f"worker:{worker_id}")

@@ -40,6 +40,7 @@ from gateway import metrics
 from gateway.leases import Leases
 from gateway.results import ResultRouter
 from gateway.shards import ShardedRouter
+from gateway.throughput import SharedThroughput
 
 log = logging.getLogger("gateway")
 
@@ -131,11 +132,12 @@ class Bus:
         self.resumable = settings.resume_ttl > 0
         self._workers: tuple[float, list[Heartbeat]] = (0.0, [])
         self._tasks: set[asyncio.Task[None]] = set()
-        self.throughput = metrics.Throughput()
+        self.throughput = SharedThroughput(self.redis, self.keys)
 
     async def start(self) -> None:
         await self.router.start()
         self.leases.start()
+        self.throughput.start()
 
     async def ping(self) -> None:
         """Raises unless Redis answers (in a cluster, also while a node is known to be unreachable)."""
@@ -145,6 +147,7 @@ class Bus:
 
     async def stop(self) -> None:
         await self.leases.stop()
+        await self.throughput.stop()
         await self.router.stop()
         await self.redis.aclose()
 

@@ -1,10 +1,8 @@
-"""The gateway's Prometheus metrics and its recent-throughput window for the cluster view."""
+"""The gateway's Prometheus metrics."""
 
 from __future__ import annotations
 
 import functools
-import time
-from collections import deque
 from contextvars import ContextVar
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -107,25 +105,3 @@ class CountRequests:
             await send(message)
 
         await self.app(scope, receive, counted_send)
-
-
-class Throughput:
-    """Output tokens per second over the last minutes, in one-second buckets."""
-
-    def __init__(self, horizon_s: int = 300) -> None:
-        self.buckets: deque[list[int]] = deque(maxlen=horizon_s)
-
-    def add(self, tokens: int) -> None:
-        second = int(time.time())
-        if self.buckets and self.buckets[-1][0] == second:
-            self.buckets[-1][1] += tokens
-        else:
-            self.buckets.append([second, tokens])
-
-    def rate(self, window_s: int = 10, until: int | None = None) -> float:
-        end = int(time.time()) if until is None else until
-        return sum(n for second, n in self.buckets if end - window_s < second <= end) / window_s
-
-    def history(self, step_s: int = 5, horizon_s: int = 300) -> list[list[float]]:
-        end = int(time.time())
-        return [[t, self.rate(step_s, t)] for t in range(end - horizon_s + step_s, end + 1, step_s)]

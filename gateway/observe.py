@@ -21,12 +21,13 @@ async def prometheus_metrics() -> Response:
 async def cluster(request: Request) -> dict[str, object]:
     bus = bus_of(request)
     workers = sorted(await bus.live_workers(), key=lambda w: w.worker_id)
+    throughput = await bus.throughput.read()  # every gateway's, not only this one's
     return {
         "workers": [{"id": w.worker_id, "model": w.model, "slots": w.slots, "running": w.running,
                      "waiting": w.waiting, "draining": w.draining} for w in workers],
         "queue": await bus.queue_depth(),
-        "tokens_per_s": bus.throughput.rate(),
-        "history": bus.throughput.history(),
+        "tokens_per_s": throughput.rate(),
+        "history": throughput.history(),
     }
 
 

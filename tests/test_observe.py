@@ -8,11 +8,13 @@ import json
 import logging
 import subprocess
 import sys
+import time
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.telemetry import JsonFormatter
+from gateway.throughput import Throughput
 from tests.conftest import RunningStack
 from tests.sse import stream
 from tests.test_stack import heartbeats
@@ -94,3 +96,11 @@ def test_log_lines_are_json_with_the_request_id() -> None:
     logger.warning("received", extra={"request_id": "r-1"})
     line = json.loads(buffer.getvalue())
     assert line["request_id"] == "r-1" and line["service"] == "gateway" and line["msg"] == "received"
+
+
+def test_throughput_rates_and_history_from_per_second_counts() -> None:
+    now = int(time.time())
+    counts = Throughput({now - 2: 30, now - 1: 50, now - 400: 1000})  # the last is outside any window
+    assert counts.rate(10, now) == 8.0 and counts.rate(1, now - 1) == 50.0
+    history = counts.history()
+    assert len(history) == 60 and history[-1][0] - now in (0, 1) and sum(rate for _, rate in history) * 5 == 80

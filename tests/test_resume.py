@@ -262,6 +262,23 @@ def test_a_stream_nobody_resumes_is_cancelled_after_the_grace(sim: PrivateStack)
     assert rest.events[-1].event == "error" and rest.events[-1].json()["error"]["code"] == "cancelled"
 
 
+def test_a_grace_of_zero_cancels_when_the_client_leaves() -> None:
+    """RESUME_GRACE=0 keeps the behaviour from before resume: a disconnect cancels the request at once."""
+    settings = {**SETTINGS, "RESUME_GRACE": "0", "NAMESPACE": "resume-off",
+                "SCHEDULER_METRICS_PORT": str(free_port()), "WORKER_METRICS_PORT": str(free_port())}
+    with private_stack(1, **settings) as stack, httpx.Client(timeout=60) as client:
+        with client.stream("POST", f"{stack.urls[0]}/generate_stream", json={"prompt": "gone", "max_tokens": 5000},
+                           headers=ALPHA) as response:
+            events = sse_events(response)
+            assert [next(events).id for _ in range(3)] == ["0", "1", "2"]
+            wait_for(lambda: running(stack) == 1, 10, "the worker to report the request")
+        left = time.monotonic()
+        wait_for(lambda: running(stack) == 0, 10, "the request to be cancelled", interval=0.05)
+        freed = time.monotonic() - left
+        print(f"RESUME_GRACE=0: slot freed {freed:.2f} s after the client left")
+        assert freed < GRACE - 0.3  # well before a grace period would have ended
+
+
 def test_a_client_back_within_the_grace_keeps_its_request_and_delete_cancels_it(sim: PrivateStack) -> None:
     first, second = sim.urls
     wait_for(lambda: running(sim) == 0, 20, "an idle worker")
@@ -393,6 +410,20 @@ def test_a_gateway_killed_mid_stream_loses_its_clients_nothing() -> None:
         print(f"kill -9 of the gateway: the next token came from the other {gap * 1000:.0f} ms after the kill; "
               f"the orphaned stream was cancelled {cancelled:.2f} s after it (RESUME_GRACE={GRACE})")
         assert cancelled >= GRACE - 0.5
+
+
+def test_each_gateways_cluster_view_counts_the_tokens_of_all(sim: PrivateStack) -> None:
+    """The cluster view's tokens/s is the cluster's: tokens delivered through one gateway show on the other."""
+    def rate(url: str) -> float:
+        return httpx.get(f"{url}/v1/cluster", headers=ALPHA, timeout=10).json()["tokens_per_s"]
+
+    wait_for(lambda: rate(sim.urls[1]) == 0, 20, "a quiet cluster")  # the 10 s window of earlier tests
+    done = read(sim.urls[0], "/generate_stream", "POST", {"prompt": "counted", "max_tokens": 200}, ALPHA)
+    assert len(seed_tokens(done.events)) == 200
+    wait_for(lambda: rate(sim.urls[1]) * 10 >= 200, 5, "the other gateway to count them")
+    assert rate(sim.urls[0]) * 10 >= 200
+    history = httpx.get(f"{sim.urls[1]}/v1/cluster", headers=ALPHA, timeout=10).json()["history"]
+    assert len(history) == 60 and sum(tokens for _, tokens in history) * 5 >= 200
 
 
 def test_llmserve_up_starts_gateways_on_consecutive_ports() -> None:
