@@ -3,6 +3,8 @@ decoding a bus message or dropping it with a log line, reading the live workers'
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -82,3 +84,12 @@ def redis_trouble(exc: BaseException) -> bool:
     if isinstance(exc, RedisClusterException):
         return str(exc).startswith(_CLUSTER_AWAY)
     return isinstance(exc, redis.ResponseError) and str(exc).startswith(("NOGROUP", "OOM", "LOADING", "READONLY"))
+
+
+async def stop_task(task: asyncio.Task[None] | None) -> None:
+    """Cancel a service's background loop and wait until it has ended."""
+    if task is None:
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

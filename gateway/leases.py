@@ -11,7 +11,6 @@ Nothing depends on the gateway that held a stream being alive."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
@@ -19,7 +18,7 @@ from typing import Any
 
 from common.clients import is_cluster
 from common.protocol import Keys
-from common.runtime import REDIS_ERRORS
+from common.runtime import REDIS_ERRORS, stop_task
 from common.settings import Settings
 
 log = logging.getLogger("gateway")
@@ -73,10 +72,7 @@ class Leases:
             self.task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
-        if self.task:
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.task
+        await stop_task(self.task)
 
     def hold(self, request_ids: list[str]) -> None:
         """A client of this gateway reads the stream: extend its lease until it lets go."""

@@ -34,7 +34,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from common.clients import RedisTarget
 from common.protocol import Error, Keys, Result
-from common.runtime import REDIS_ERRORS
+from common.runtime import REDIS_ERRORS, stop_task
 from gateway.mailbox import Mailbox
 from gateway.results import FIRST_CONNECT_SECONDS, MOVED, NODE_LOST, READ_BYTES, command, open_node
 
@@ -112,9 +112,7 @@ class NodeLink:
             self.writer.write(command("SUNSUBSCRIBE", channel))
 
     async def close(self) -> None:
-        self.task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.task
+        await stop_task(self.task)
 
     async def _pump(self) -> None:
         error = "the node closed the connection"

@@ -5,13 +5,12 @@ gateway reads the last minutes of them back, so the view is the same behind any 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import Any
 
 from common.protocol import Keys
-from common.runtime import REDIS_ERRORS
+from common.runtime import REDIS_ERRORS, stop_task
 
 log = logging.getLogger("llmserve.gateway")
 
@@ -46,10 +45,7 @@ class SharedThroughput:
         self.task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
-        if self.task:
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.task
+        await stop_task(self.task)
         await self.flush()
 
     async def flush(self) -> None:
