@@ -15,9 +15,8 @@ rows become H^T W_v and o_proj's columns of each head W_o H, so that attention o
 o_proj turns them back. The input of down_proj is made in the forward (silu(gate) * up), so no weight can
 turn it: `InputRotation` does, one small product per layer, and down_proj's weights take the inverse.
 
-Only weights change, once, at load: the forward is the same code at the same cost, each row is still
-computed alone (batch invariance holds), and the float model before quantisation gives the same logits
-up to float rounding (tested).
+Apart from that one product, only weights change, once, at load. Each row is still computed alone (batch
+invariance holds), and the float model gives the same logits up to float rounding (tested).
 """
 
 from __future__ import annotations
