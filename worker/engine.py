@@ -30,7 +30,7 @@ from transformers import DynamicCache
 
 from common.protocol import SamplingParams, TokenLogprob
 from common.settings import Settings
-from worker import metrics, vllm_metrics
+from worker import metrics
 from worker.cache import (
     ROOM,
     all_plain,
@@ -302,9 +302,7 @@ class Engine:
     def _join_group(self, sequence: Sequence, cached: int) -> None:
         depth = cached * self.block
         if self.store is not None:
-            metrics.PREFIX_QUERIED.inc(len(sequence.prompt_ids))
-            metrics.PREFIX_HITS.inc(depth)
-            vllm_metrics.prefix_lookup(self.loaded.name, len(sequence.prompt_ids), depth)
+            metrics.prefix_lookup(self.loaded.name, len(sequence.prompt_ids), depth)
         group = next((g for g in self.prefills if g.cache is None and g.depth == depth and self.exact_blocks), None)
         if group is None:
             group = _Prefill([], depth, self.groups_formed)

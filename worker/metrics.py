@@ -18,3 +18,16 @@ PREFIX_QUERIED = Counter("llmserve_worker_prefix_cache_queried_tokens_total",
 PREFIX_HITS = Counter("llmserve_worker_prefix_cache_hit_tokens_total",
                       "Prompt tokens whose keys and values came from the prefix cache instead of a forward")
 PREFIX_BYTES = Gauge("llmserve_worker_prefix_cache_bytes", "Bytes of keys and values the prefix cache holds")
+# vLLM's names for the same two counts, labelled by model (the rest of vLLM's are in worker/vllm_metrics.py).
+VLLM_PREFIX_QUERIES = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache (vLLM's "
+                              "name)", ["model_name"])
+VLLM_PREFIX_HITS = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (vLLM's name)",
+                           ["model_name"])
+
+
+def prefix_lookup(model: str, queried: int, hits: int) -> None:
+    """A prompt looked up in the prefix cache: its tokens, and how many of them were found."""
+    PREFIX_QUERIED.inc(queried)
+    PREFIX_HITS.inc(hits)
+    VLLM_PREFIX_QUERIES.labels(model).inc(queried)
+    VLLM_PREFIX_HITS.labels(model).inc(hits)

@@ -1,6 +1,8 @@
 """The worker's metrics under vLLM's names, labelled by model, next to its own (worker/metrics.py): so
 that dashboards and autoscalers written for vLLM read this stack unchanged. The gateway exports the
-latency histograms and token counters; the scheduler its queue's share of num_requests_waiting."""
+latency histograms and token counters; the scheduler its queue's share of num_requests_waiting. The
+prefix-cache counters live in worker/metrics.py beside llmserve's own, since the engine counts them (and
+this module shares names with the scheduler's, which a process importing both may not register twice)."""
 
 from __future__ import annotations
 
@@ -13,10 +15,6 @@ WAITING = Gauge("vllm:num_requests_waiting", "Requests waiting: admitted to a wo
                 "in the scheduler's queue (vLLM's name)", ["model_name"])
 KV_USAGE = Gauge("vllm:kv_cache_usage_perc", "Share of the KV cache's positions in use, 0 to 1 (vLLM's name)",
                  ["model_name"])
-PREFIX_QUERIES = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache (vLLM's name)",
-                         ["model_name"])
-PREFIX_HITS = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (vLLM's name)",
-                      ["model_name"])
 SUCCESS = Counter("vllm:request_success", "Requests that left a worker, by why (vLLM's name)",
                   ["model_name", "finished_reason"])
 
@@ -36,9 +34,3 @@ def observe_step(model: str, engine: Engine, slots: int, context: int) -> None:
 def released(model: str, hop: str, reason: object = None) -> None:
     """A request left the worker: finished (with its finish reason), cancelled or failed."""
     SUCCESS.labels(model, str(reason) if hop == "finished" and reason else _REASONS.get(hop, hop)).inc()
-
-
-def prefix_lookup(model: str, queried: int, hits: int) -> None:
-    """A prompt looked up in the prefix cache: its tokens, and how many of them were found."""
-    PREFIX_QUERIES.labels(model).inc(queried)
-    PREFIX_HITS.labels(model).inc(hits)
