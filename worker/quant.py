@@ -58,7 +58,6 @@ class Int8Linear(nn.Module):
         no bit of any output, and one kernel call does the work of several."""
         super().__init__()
         self.in_features, self.out_features = linears[0].in_features, sum(lin.out_features for lin in linears)
-        self.dtype = linears[0].weight.dtype
         weight = torch.cat([lin.weight.detach().float() for lin in linears])
         scale = weight.abs().amax(dim=1).clamp_min(EPS) / WEIGHT_MAX
         q = torch.round(weight / scale[:, None]).clamp_(-WEIGHT_MAX, WEIGHT_MAX).to(torch.int8)

@@ -132,4 +132,7 @@ class InputRotation(nn.Module):
         return torch.block_diag(*[hadamard(self.BLOCK)] * (self.n // self.BLOCK))
 
     def fold(self, linear: nn.Linear) -> None:
-        _set(linear, linear.weight.detach().double() @ self.matrix())
+        """W H, block by block (H is block-diagonal: no n x n matrix is built)."""
+        weight = linear.weight.detach().double()
+        blocks = weight.view(weight.shape[0], self.n // self.BLOCK, self.BLOCK) @ hadamard(self.BLOCK)
+        _set(linear, blocks.reshape(weight.shape))
