@@ -128,7 +128,7 @@ def test_a_prompt_waits_for_a_block_another_is_computing_and_takes_it_from_the_c
         assert burst[question] == alone(loaded, ids), question
 
 
-def test_a_long_prompt_is_prefilled_between_decode_steps_and_a_short_one_overtakes_it(loaded: LoadedModel) -> None:
+def test_a_long_prompt_is_prefilled_alongside_decode_steps_and_a_short_one_overtakes_it(loaded: LoadedModel) -> None:
     engine = Engine(loaded, 16, prefix_bytes=0)
     long_prompt = chat(loaded, QUESTIONS[0])
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -136,7 +136,7 @@ def test_a_long_prompt_is_prefilled_between_decode_steps_and_a_short_one_overtak
     engine.step()
     engine.add("long", long_prompt, params)
     kinds, firsts = [], {}
-    for step in range(2 * len(long_prompt) // engine.block + 4):
+    for step in range(len(long_prompt) // engine.block + 4):
         if step == 3:
             engine.add("short", loaded.tokenizer("Paris is")["input_ids"], params)
         result = engine.step()
@@ -144,10 +144,19 @@ def test_a_long_prompt_is_prefilled_between_decode_steps_and_a_short_one_overtak
         for out in result.outputs:
             firsts.setdefault(out.request_id, step)
     blocks = -(-len(long_prompt) // engine.block)
-    # Every other step decodes the running stream: the long prompt never holds it up for more than a block.
-    assert all(kind == "decode" and "running" in ids for kind, ids in kinds[::2])
-    assert sum(kind == "prefill" for kind, _ in kinds[:2 * blocks + 2]) == blocks + 1  # its blocks and the short
-    assert firsts["short"] < firsts["long"] == 2 * blocks + 1  # one more prefill step: the short one went first
+    # Every step decodes the running stream and carries one block: the long prompt never holds it up.
+    assert all(kind == "mixed" and "running" in ids for kind, ids in kinds[:blocks + 1])
+    assert all(kind == "decode" for kind, _ in kinds[blocks + 1:])
+    assert firsts["short"] < firsts["long"] == blocks  # one more block: the short one went first
+
+
+def test_without_a_running_batch_prefill_steps_follow_each_other(loaded: LoadedModel) -> None:
+    engine = Engine(loaded, 16, prefix_bytes=0)
+    prompt = chat(loaded, QUESTIONS[1])
+    engine.add("x", prompt, SCORED)
+    blocks = -(-len(prompt) // engine.block)
+    kinds = [engine.step().kind for _ in range(blocks + 1)]
+    assert kinds == ["prefill"] * blocks + ["decode"]
 
 
 def test_cancelling_a_prompt_mid_prefill_leaves_its_group_mates_exact(loaded: LoadedModel) -> None:

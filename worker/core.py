@@ -11,7 +11,8 @@ from typing import Literal, Protocol
 from common.grammar import GrammarError as GrammarError
 from common.protocol import Detokenize, SamplingParams, Submit, Tokenize, TokenLogprob, Tokens
 
-StepKind = Literal["prefill", "decode", "idle"]
+# "mixed": a decode step that also carried a prefill chunk (worker/engine.py)
+StepKind = Literal["prefill", "decode", "mixed", "idle"]
 
 
 class PromptTooLong(ValueError):

@@ -4,7 +4,8 @@ Prefill. Every prompt is prefilled in blocks of `block` tokens at fixed boundari
 last block padded to full size after its end, where causal attention keeps the padding out of the real
 tokens), each block by one forward over the keys and values of the blocks before it. Sequences admitted
 together at one depth form a group that advances together, a chunk of blocks per prefill step, so a long
-prompt arrives across steps interleaved with decode steps of the running batch. Each forward has the shape
+prompt arrives across steps interleaved with decode steps of the running batch; for the int8 Llama a chunk
+rides in the decode step itself, one pass over both (worker/forward.py). Each forward has the shape
 [rows, block] over a cache without padding, and the kernels compute its rows independently: a block's keys
 and values depend only on the tokens up to its end. So a prompt whose leading blocks are in the prefix cache
 (worker/prefix.py) takes them from there and computes the rest exactly as it would have, and neither the
@@ -45,6 +46,7 @@ from worker.cache import (
 )
 from worker.core import PromptTooLong, StepKind, StepOutput, StepResult
 from worker.detokenizer import Detokenizer
+from worker.forward import Part, forward_parts
 from worker.grammar import LLMatcher
 from worker.model import LoadedModel
 from worker.prefix import HeldPrefixes, PrefixStore, block_digests
@@ -263,14 +265,35 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> StepResult:
-        """One step: a prefill step (a chunk of one group's prompts; those that end in it join the running batch
-        with their first token), else a decode of the running batch. A prefill step is always followed by a
-        decode, so neither arrivals nor long prompts hold running sequences up for more than a chunk."""
+        """One step: a decode of the running batch that also carries the next chunk of one prefill group (the
+        int8 Llama: one pass over both, worker/forward.py), or a prefill step (a chunk of one group's prompts;
+        those that end in it join the running batch with their first token), or a decode. Other models
+        alternate: a prefill step is always followed by a decode. So neither arrivals nor long prompts hold
+        running sequences up for more than a chunk."""
+        if self._mixed_turn():
+            self.last_kind = "mixed"
+            return StepResult("mixed", self._mixed_step())
         if self._prefill_turn():
             self.last_kind = "prefill"
             return StepResult("prefill", self._prefill_step())
         self.last_kind = "decode"
         return StepResult("decode", self._decode()) if self.batch else StepResult("idle")
+
+    def _mixed_turn(self) -> bool:
+        if not (self.ragged and self.chunk_blocks and self.batch is not None):
+            return False
+        self._start_prefills()
+        return bool(self.prefills)
+
+    def _mixed_step(self) -> list[StepOutput]:
+        group, batch = self._next_group(), self.batch
+        block_part = self._block_part(group)
+        decode_logits, block_logits = forward_parts(self.loaded.model, [self._decode_part(batch), block_part])
+        batch.positions = batch.positions + 1
+        group.depth += block_part.ids.shape[1]
+        outputs = self._advance(decode_logits, first_row=0)
+        outputs += self._after_block(group, block_logits)
+        return outputs + self._advance_group(group, self.chunk_blocks - 1)
 
     def _prefill_turn(self) -> bool:
         if self.batch is not None and self.last_kind == "prefill":
@@ -332,15 +355,14 @@ class Engine:
         outputs: list[StepOutput] = []
         done = 0
         while group.sequences and (blocks is None or done < blocks):
-            outputs += self._prefill_block(group)
+            outputs += self._after_block(group, self._forward_block(group))
             done += 1
-        if not group.sequences:
+        if not group.sequences and group in self.prefills:
             self.prefills.remove(group)
         return outputs
 
-    def _prefill_block(self, group: _Prefill) -> list[StepOutput]:
-        """The next block of every row of `group`; rows whose prompts end in it join the running batch."""
-        logits = self._forward_block(group)
+    def _after_block(self, group: _Prefill, logits: torch.Tensor) -> list[StepOutput]:
+        """After the next block of every row of `group`: rows whose prompts end in it join the running batch."""
         self._store_block(group)
         ended = [r for r, s in enumerate(group.sequences) if len(s.prompt_ids) <= group.depth]
         if not ended:
@@ -352,6 +374,20 @@ class Engine:
     def _forward_block(self, group: _Prefill) -> torch.Tensor:
         """Forward [rows, block] tokens at positions depth..; returns each row's logits at its last token in
         the block (a row's last block is padded after its end, which causal attention keeps out of it)."""
+        part = self._block_part(group)
+        if self.ragged:
+            logits = forward_parts(self.loaded.model, [part])[0]
+        else:
+            rows, width = part.ids.shape
+            mask = torch.ones(rows, part.depth + width, dtype=torch.long, device=part.ids.device)
+            logits = self.loaded.model(input_ids=part.ids, attention_mask=mask, position_ids=part.positions,
+                                       cache=part.cache, use_cache=True,
+                                       logits_to_keep=part.last[:, None]).logits[:, -1]
+        group.depth += part.ids.shape[1]
+        return logits
+
+    def _block_part(self, group: _Prefill) -> Part:
+        """The inputs of `group`'s next block (its cache made at the first)."""
         device, depth = self.loaded.device, group.depth
         if group.cache is None:
             # Room for the longest prompt, its padding and the first tokens after it: no copy while prefilling.
@@ -365,12 +401,8 @@ class Engine:
         pad = self.loaded.eos_token_ids[0]
         ids = torch.tensor([piece + [pad] * (width - len(piece)) for piece in pieces], device=device)
         positions = torch.arange(depth, depth + width, device=device).expand(len(pieces), width)
-        mask = torch.ones(len(pieces), depth + width, dtype=torch.long, device=device)
-        last = torch.tensor([[len(piece) - 1] for piece in pieces], device=device)
-        logits = self.loaded.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=group.cache,
-                                   use_cache=True, logits_to_keep=last).logits[:, -1]
-        group.depth += width
-        return logits
+        last = torch.tensor([len(piece) - 1 for piece in pieces], device=device)
+        return Part(ids, positions, group.cache, depth, last)
 
     def _store_block(self, group: _Prefill) -> None:
         """Put the block just computed of each row whose prompt fills it into the prefix cache."""
@@ -421,12 +453,20 @@ class Engine:
 
     def _forward_one_token(self, batch: _Batch) -> torch.Tensor:
         """Feed each row its `last_tokens` entry; returns the logits of the next token."""
-        batch.mask = F.pad(batch.mask, [0, 1], value=1)
-        logits = self.loaded.model(input_ids=batch.last_tokens.unsqueeze(1), attention_mask=batch.mask,
-                                   position_ids=batch.positions.unsqueeze(1), cache=batch.cache,
-                                   use_cache=True).logits[:, -1]
+        part = self._decode_part(batch)
+        if self.ragged:
+            logits = forward_parts(self.loaded.model, [part])[0]
+        else:
+            logits = self.loaded.model(input_ids=part.ids, attention_mask=batch.mask, position_ids=part.positions,
+                                       cache=batch.cache, use_cache=True).logits[:, -1]
         batch.positions = batch.positions + 1
         return logits
+
+    @staticmethod
+    def _decode_part(batch: _Batch) -> Part:
+        """The inputs of the batch's decode step (its mask grown by the column they fill)."""
+        batch.mask = F.pad(batch.mask, [0, 1], value=1)
+        return Part(batch.last_tokens.unsqueeze(1), batch.positions.unsqueeze(1), batch.cache)
 
     def _advance(self, logits: torch.Tensor, first_row: int) -> list[StepOutput]:
         """Sample the next token of rows first_row.. (those `logits` belong to) and retire finished rows."""

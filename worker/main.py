@@ -230,7 +230,7 @@ class Worker:
         if result.kind != "idle":  # a prefill step may end no prompt yet (chunked prefill): it counts too
             metrics.STEP_SECONDS.labels(result.kind).observe(elapsed)
         if result.outputs:
-            if result.kind == "decode":
+            if result.kind in ("decode", "mixed"):
                 metrics.BATCH_SIZE.observe(len(result.outputs))
             metrics.TOKENS.inc(len(result.outputs))
         metrics.RUNNING.set(self.engine.running_count)

@@ -180,21 +180,42 @@ class Int8LlamaLayer(nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, cache: Cache | None = None,
                 **kwargs: object) -> torch.Tensor:
-        batch, length, _ = hidden_states.shape
-        qkv = self._normed(self.qkv, self.input_layernorm, hidden_states)
-        qkv = qkv.view(batch, length, -1, self.head_dim).transpose(1, 2)
-        qk = _rotate(qkv[:, :self.q_heads + self.kv_heads], *position_embeddings)  # q and k heads in one go
+        return self.forward_parts([hidden_states], [position_embeddings], [attention_mask], [cache])[0]
+
+    def forward_parts(self, hidden: list[torch.Tensor], rope: list[tuple[torch.Tensor, torch.Tensor]],
+                      masks: list[torch.Tensor | None], caches: list[Cache]) -> list[torch.Tensor]:
+        """Several forwards in one pass (worker/forward.py): part i is hidden[i] ([rows, length, width]) at the
+        rotary embedding rope[i] over caches[i]. Their rows go side by side through every int8 call, and each
+        part attends over its own cache, so each part's result is the one its own forward gives, bit for bit."""
+        shapes = [h.shape[:2] for h in hidden]
+        sizes = [rows * length for rows, length in shapes]
+        x = _cat([h.reshape(n, -1) for h, n in zip(hidden, sizes, strict=True)])
+        qkv = self._normed(self.qkv, self.input_layernorm, x)
+        attended = _cat([self._attend(part.view(rows, length, -1, self.head_dim).transpose(1, 2), *cos_sin,
+                                      mask, cache).reshape(rows * length, -1)
+                         for part, (rows, length), cos_sin, mask, cache
+                         in zip(qkv.split(sizes), shapes, rope, masks, caches, strict=True)])
+        x = x + self.o_proj(attended)
+        gate, up = self._normed(self.gate_up, self.post_attention_layernorm, x).chunk(2, dim=-1)
+        mixed = nn.functional.silu(gate) * up
+        x = x + self.down_proj(mixed if self.down_rotation is None else self.down_rotation(mixed))
+        return [part.view(rows, length, -1) for part, (rows, length) in zip(x.split(sizes), shapes, strict=True)]
+
+    def _attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                cache: Cache | None) -> torch.Tensor:
+        """Attention of one part, from its fused projections ([rows, heads, length, head_dim])."""
+        qk = _rotate(qkv[:, :self.q_heads + self.kv_heads], cos, sin)  # q and k heads in one go
         query, key, value = qk[:, :self.q_heads], qk[:, self.q_heads:], qkv[:, self.q_heads + self.kv_heads:]
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
-        attended, _ = rowwise_sdpa(self, query, key, value, attention_mask, scaling=self.scaling)
-        hidden_states = hidden_states + self.o_proj(attended.reshape(batch, length, -1))
-        gate, up = self._normed(self.gate_up, self.post_attention_layernorm, hidden_states).chunk(2, dim=-1)
-        mixed = nn.functional.silu(gate) * up
-        return hidden_states + self.down_proj(mixed if self.down_rotation is None else self.down_rotation(mixed))
+        return rowwise_sdpa(self, query, key, value, mask, scaling=self.scaling)[0]
 
     def _normed(self, linear: Int8Linear, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return linear(norm(x)) if self.norm_eps is None else linear.after_norm(x, self.norm_eps)
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
