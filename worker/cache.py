@@ -113,11 +113,10 @@ class RaggedLayer(DynamicLayer):
         for row, length in enumerate(rows.lengths):
             if length + added > self.key_buffers[row].shape[2]:
                 self._grow(row, length, length + added)
-        # One call writes every row: rows hold different lengths, so no single tensor op can.
-        torch._foreach_copy_([b.narrow(2, n, added) for b, n in zip(self.key_buffers, rows.lengths, strict=True)],
-                             list(key_states.split(1)))
-        torch._foreach_copy_([b.narrow(2, n, added) for b, n in zip(self.value_buffers, rows.lengths, strict=True)],
-                             list(value_states.split(1)))
+        # One call writes every row's keys and values: rows hold different lengths, so no single tensor op can.
+        torch._foreach_copy_([b.narrow(2, n, added) for buffers in (self.key_buffers, self.value_buffers)
+                              for b, n in zip(buffers, rows.lengths, strict=True)],
+                             [*key_states.split(1), *value_states.split(1)])
         lengths = [length + added for length in rows.lengths]
         rows.written += 1
         if rows.written == rows.layers:

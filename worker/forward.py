@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from worker.quant import rotary_factors
+
 
 @dataclass
 class Part:
@@ -39,7 +41,7 @@ def forward_parts(model: PreTrainedModel, parts: list[Part]) -> list[torch.Tenso
     """Each part's logits, [rows, vocab], of the token `last` picks in each row."""
     inner = model.model
     hidden = [inner.embed_tokens(part.ids) for part in parts]
-    rope = [inner.rotary_emb(h, part.positions) for h, part in zip(hidden, parts, strict=True)]
+    rope = [rotary_factors(*inner.rotary_emb(h, part.positions)) for h, part in zip(hidden, parts, strict=True)]
     masks = [causal_mask(part) for part in parts]
     caches = [part.cache for part in parts]
     for layer in inner.layers:
