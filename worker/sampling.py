@@ -17,7 +17,7 @@ MAX_TOP_LOGPROBS = 20
 GREEDY_BELOW = 1e-5
 # A logit_bias this low (OpenAI's floor) bans the token outright rather than merely lowering it.
 BAN_BIAS = 100.0
-# A top-p row looks for its nucleus among this many most likely tokens before it takes all of its top_k.
+# A top-p row without top_k looks for its nucleus among this many most likely tokens before it sorts them all.
 NUCLEUS_CANDIDATES = 1024
 
 
@@ -124,7 +124,7 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     temperature = torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
     scaled = logits / temperature
     weighted = [_candidates(scaled[row], p) for row, p in enumerate(params)]
-    return torch.tensor([int(ids[_draw(weights, generator)]) if ids is not None else _draw(weights, generator)
+    return torch.tensor([_token(ids, weights, generator)
                          for (ids, weights), generator in zip(weighted, generators, strict=True)],
                         device=logits.device)
 
@@ -134,28 +134,34 @@ def _candidates(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Ten
     fewest of those, most likely first, whose probability, renormalised over the top_k, reaches top_p. Returns
     (None, weights over the vocabulary) when every token may be drawn, else (ids, weights of those ids).
 
-    Sorting the whole vocabulary for every row took longer than the decode step itself at 16 rows; a top-k
-    of a few candidates finds the same tokens, since the nucleus nearly always lies among them (when it does
-    not, the row takes all of its top_k)."""
+    Sorting the whole vocabulary for every row took longer than the decode step itself at 16 rows. A top_k
+    row takes a `topk` of its k; a top-p row without one looks for its nucleus among a few candidates first,
+    since it nearly always lies among them, and sorts the vocabulary only when it does not."""
     vocab = logits.shape[-1]
     k = min(params.top_k, vocab) if params.top_k > 0 else vocab
     if k == vocab and params.top_p >= 1:
         weights = logits.softmax(dim=-1)
         _check(weights.sum())
         return None, weights
-    width = k if params.top_p >= 1 else min(k, NUCLEUS_CANDIDATES)
-    values, ids = logits.topk(width)
-    # The normaliser of the top_k: the candidates' own when they are all of it.
-    total = values.logsumexp(dim=-1) if width == k else (logits if k == vocab else logits.topk(k).values).logsumexp(-1)
+    if k < vocab:
+        values, ids = logits.topk(k)
+        total = values.logsumexp(dim=-1)
+    else:
+        total = logits.logsumexp(dim=-1)
+        values, ids = logits.topk(min(NUCLEUS_CANDIDATES, vocab))
+        if (values - total).exp().sum() < params.top_p:  # the nucleus reaches past the candidates
+            values, ids = logits.sort(descending=True)
     probs = (values - total).exp()
     _check(probs.sum())
-    if width < k and probs.sum() < params.top_p:  # the nucleus reaches past the candidates
-        values, ids = logits.topk(k)
-        probs = (values - total).exp()
     # Keep a token while the mass before it is below top_p; rounding must not drop the most likely one.
     inside = (probs.cumsum(dim=-1) - probs) < params.top_p
     inside[0] = True
     return ids, probs * inside
+
+
+def _token(ids: torch.Tensor | None, weights: torch.Tensor, generator: torch.Generator | None) -> int:
+    index = _draw(weights, generator)
+    return index if ids is None else int(ids[index])
 
 
 def _check(mass: torch.Tensor) -> None:
