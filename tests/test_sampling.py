@@ -104,3 +104,22 @@ def test_a_row_that_cannot_be_sampled_raises_before_its_batch_mates_draw() -> No
     fresh, _ = sample(logits[[0, 2]], [params[0], params[2]], [torch.Generator().manual_seed(s) for s in (1, 3)],
                       [[], []], [[], []])
     assert again == fresh
+
+
+def test_a_row_draws_the_same_tokens_alone_and_among_batch_mates_of_every_kind() -> None:
+    # Each row draws from its own generator over its own distribution, whatever its batch-mates ask for.
+    logits = torch.randn(8, 5_000, generator=torch.Generator().manual_seed(3)) * 3
+    kinds = [(1.0, 0, 1.0), (0.7, 0, 0.9), (1.0, 50, 0.95), (0.0, 0, 1.0), (1.3, 0, 1.0), (0.5, 0, 0.5),
+             (1.0, 5_000, 1.0), (2.0, 0, 1.0)]  # (temperature, top_k, top_p)
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in kinds]
+
+    def draw(rows: list[int], seeds: list[int]) -> list[int]:
+        generators = [torch.Generator().manual_seed(seeds[row]) for row in rows]
+        return sample(logits[rows], [params[row] for row in rows], generators, [[]] * len(rows), [[]] * len(rows))[0]
+
+    whole = [row for row, p in enumerate(params) if p.top_k == 0 and p.top_p >= 1]  # the whole-vocabulary rows
+    for turn in range(25):
+        seeds = [100 * turn + row for row in range(len(params))]
+        alone = [draw([row], seeds)[0] for row in range(len(params))]
+        assert draw(list(range(len(params))), seeds) == alone
+        assert draw(whole, seeds) == [alone[row] for row in whole]

@@ -38,9 +38,10 @@ ACT_ZERO_POINT = 128
 WEIGHT_MAX = 63  # weights: 7 bits, so that fbgemm's int16 pair sums cannot saturate (see above)
 EPS = 1e-12  # floor of a scale: an all-zero row or channel quantises to zeros instead of NaN
 ROWWISE_ATTENTION = "llmserve_rowwise_sdpa"
-# The overload itself: calling the packet (torch.ops.quantized.<name>) goes through a Python dispatch
-# check on every call, which at 121 calls per decode step is a measurable part of it at batch 1.
-_LINEAR = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32.default
+# The overload's own C++ function: calling the packet (torch.ops.quantized.<name>), or the overload, runs a
+# Python check on every call for a tracer's fake arguments, which at 121 calls per decode step is a
+# measurable part of it at batch 1 (nothing here is traced).
+_LINEAR = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32.default._op
 _sdpa = nn.functional.scaled_dot_product_attention
 
 
