@@ -1,0 +1,114 @@
+"""Where an int8 decode step's time goes: the int8 kernel calls inside the step, against the whole step.
+
+A decode step at batch 1 reads every int8 weight once. This bench times the step of the default model (the
+worker's own forward, worker/forward.py) at a few batch sizes, and inside it the time spent in fbgemm's
+int8 calls, then the host's memory read bandwidth (a sum over a buffer much larger than the caches). The
+kernels' share bounds what a leaner forward could gain; the weights' bytes over the bandwidth bound what
+any int8 forward could reach on this host. Prints one row per batch size; writes bench/results/decode_step.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import worker.quant as quant  # noqa: E402
+from bench.stack_throughput import RESULTS  # noqa: E402
+from common.settings import Settings  # noqa: E402
+from worker.cache import new_cache  # noqa: E402
+from worker.forward import Part, forward_parts  # noqa: E402
+from worker.model import load_model  # noqa: E402
+
+
+class KernelClock:
+    """Wraps the int8 call that worker/quant.py makes, adding up the seconds spent in it."""
+
+    def __init__(self) -> None:
+        self.inner, self.seconds = quant._LINEAR, 0.0
+
+    def __call__(self, *args: object) -> torch.Tensor:
+        start = time.perf_counter()
+        try:
+            return self.inner(*args)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
+def int8_weight_bytes(model: torch.nn.Module) -> int:
+    """The int8 weights one decode step reads (fbgemm's packed copies, one byte per weight)."""
+    return sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, quant.Int8Linear))
+
+
+def read_bandwidth(megabytes: int = 512) -> float:
+    """Bytes per second of a sum over a float32 buffer far larger than the caches, median of 5."""
+    buffer = torch.ones(megabytes << 18)
+    buffer.sum()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        buffer.sum()
+        times.append(time.perf_counter() - start)
+    return buffer.numel() * 4 / statistics.median(times)
+
+
+@torch.inference_mode()
+def measure(model: torch.nn.Module, clock: KernelClock, rows: int, context: int, steps: int) -> dict:
+    cache = new_cache(model.config, ragged=True)
+    ids = torch.randint(100, 1000, (rows, context))
+    forward_parts(model, [Part(ids, torch.arange(context).expand(rows, context), cache)])
+    step_times, kernel_times = [], []
+    for step in range(steps + 3):  # the first three warm up
+        clock.seconds = 0.0
+        start = time.perf_counter()
+        forward_parts(model, [Part(torch.randint(100, 1000, (rows, 1)), torch.full((rows, 1), context + step), cache)])
+        if step >= 3:
+            step_times.append(time.perf_counter() - start)
+            kernel_times.append(clock.seconds)
+    step_ms, kernel_ms = statistics.median(step_times) * 1e3, statistics.median(kernel_times) * 1e3
+    return {"rows": rows, "step_ms": step_ms, "int8_kernel_ms": kernel_ms, "kernel_share": kernel_ms / step_ms,
+            "tokens_per_s": rows * 1e3 / step_ms}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32])
+    parser.add_argument("--context", type=int, default=64, help="tokens already in each row's cache")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS / "decode_step.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model = load_model(Settings(worker_threads=args.threads)).model
+    clock = KernelClock()
+    quant._LINEAR = clock
+    levels = [measure(model, clock, rows, args.context, args.steps) for rows in args.rows]
+    weights, bandwidth = int8_weight_bytes(model), read_bandwidth()
+    print(f"int8 weights read per step: {weights / 1e6:.0f} MB; host read bandwidth {bandwidth / 1e9:.1f} GB/s, "
+          f"so at least {weights / bandwidth * 1e3:.1f} ms per step")
+    print(f"{'rows':>5} {'step ms':>8} {'int8 kernels ms':>16} {'share':>6} {'tok/s':>7}")
+    for level in levels:
+        print(f"{level['rows']:>5} {level['step_ms']:>8.1f} {level['int8_kernel_ms']:>16.1f} "
+              f"{level['kernel_share']:>6.2f} {level['tokens_per_s']:>7.1f}")
+    first = levels[0]
+    if first["rows"] == 1:
+        print(f"batch 1: {1e3 / first['step_ms']:.1f} tok/s now; with nothing but the int8 kernels "
+              f"{1e3 / first['int8_kernel_ms']:.1f}; at the bandwidth floor {bandwidth / weights:.1f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"setup": {"context": args.context, "steps": args.steps, "threads": args.threads,
+                                              "cpu_capability": torch.backends.cpu.get_cpu_capability()},
+                                    "int8_weight_bytes": weights, "read_bandwidth_bytes_per_s": bandwidth,
+                                    "levels": levels}, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
