@@ -1,10 +1,11 @@
 """Where an int8 decode step's time goes: the int8 kernel calls inside the step, against the whole step.
 
-A decode step at batch 1 reads every int8 weight once. This bench times the step of the default model (the
-worker's own forward, worker/forward.py) at a few batch sizes, and inside it the time spent in fbgemm's
-int8 calls, then the host's memory read bandwidth (a sum over a buffer much larger than the caches). The
-kernels' share bounds what a leaner forward could gain; the weights' bytes over the bandwidth bound what
-any int8 forward could reach on this host. Prints one row per batch size; writes bench/results/decode_step.json.
+A decode step reads every int8 weight once, and every row's float32 keys and values. This bench times the
+step of the default model (the worker's own forward, worker/forward.py) at a few batch sizes, and inside it
+the time spent in fbgemm's int8 calls, then the host's memory read bandwidth (a sum over a buffer much
+larger than the caches). The kernels' share bounds what a leaner forward could gain; the bytes read over
+the bandwidth bound what any forward of these weights and this cache could reach on this host. Prints one
+row per batch size; writes bench/results/decode_step.json.
 """
 
 from __future__ import annotations
@@ -74,8 +75,11 @@ def measure(model: torch.nn.Module, clock: KernelClock, rows: int, context: int,
             step_times.append(time.perf_counter() - start)
             kernel_times.append(clock.seconds)
     step_ms, kernel_ms = statistics.median(step_times) * 1e3, statistics.median(kernel_times) * 1e3
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_bytes = 2 * rows * context * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4
     return {"rows": rows, "step_ms": step_ms, "int8_kernel_ms": kernel_ms, "kernel_share": kernel_ms / step_ms,
-            "tokens_per_s": rows * 1e3 / step_ms}
+            "tokens_per_s": rows * 1e3 / step_ms, "kv_cache_bytes": kv_bytes}
 
 
 def main() -> None:
@@ -92,16 +96,18 @@ def main() -> None:
     quant._LINEAR = clock
     levels = [measure(model, clock, rows, args.context, args.steps) for rows in args.rows]
     weights, bandwidth = int8_weight_bytes(model), read_bandwidth()
-    print(f"int8 weights read per step: {weights / 1e6:.0f} MB; host read bandwidth {bandwidth / 1e9:.1f} GB/s, "
-          f"so at least {weights / bandwidth * 1e3:.1f} ms per step")
-    print(f"{'rows':>5} {'step ms':>8} {'int8 kernels ms':>16} {'share':>6} {'tok/s':>7}")
+    print(f"int8 weights read per step: {weights / 1e6:.0f} MB; host read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print(f"{'rows':>5} {'step ms':>8} {'int8 kernels ms':>16} {'share':>6} {'tok/s':>7} {'KV cache MB':>12} "
+          f"{'floor ms':>9}")
     for level in levels:
+        level["floor_ms"] = (weights + level["kv_cache_bytes"]) / bandwidth * 1e3  # weights and cache read once
         print(f"{level['rows']:>5} {level['step_ms']:>8.1f} {level['int8_kernel_ms']:>16.1f} "
-              f"{level['kernel_share']:>6.2f} {level['tokens_per_s']:>7.1f}")
+              f"{level['kernel_share']:>6.2f} {level['tokens_per_s']:>7.1f} {level['kv_cache_bytes'] / 1e6:>12.0f} "
+              f"{level['floor_ms']:>9.1f}")
     first = levels[0]
     if first["rows"] == 1:
         print(f"batch 1: {1e3 / first['step_ms']:.1f} tok/s now; with nothing but the int8 kernels "
-              f"{1e3 / first['int8_kernel_ms']:.1f}; at the bandwidth floor {bandwidth / weights:.1f}")
+              f"{1e3 / first['int8_kernel_ms']:.1f}; at the bandwidth floor {1e3 / first['floor_ms']:.1f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"setup": {"context": args.context, "steps": args.steps, "threads": args.threads,
                                               "cpu_capability": torch.backends.cpu.get_cpu_capability()},
