@@ -77,7 +77,8 @@ def measure(model: torch.nn.Module, clock: KernelClock, rows: int, context: int,
     step_ms, kernel_ms = statistics.median(step_times) * 1e3, statistics.median(kernel_times) * 1e3
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_bytes = 2 * rows * context * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4
+    held = context + 3 + steps // 2  # the tokens each row's cache holds at the median step
+    kv_bytes = 2 * rows * held * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4
     return {"rows": rows, "step_ms": step_ms, "int8_kernel_ms": kernel_ms, "kernel_share": kernel_ms / step_ms,
             "tokens_per_s": rows * 1e3 / step_ms, "kv_cache_bytes": kv_bytes}
 
