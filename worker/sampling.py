@@ -145,13 +145,14 @@ def _candidates(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Ten
         return None, weights
     if k < vocab:
         values, ids = logits.topk(k)
-        total = values.logsumexp(dim=-1)
+        probs = (values - values.logsumexp(dim=-1)).exp()
     else:
         total = logits.logsumexp(dim=-1)
         values, ids = logits.topk(min(NUCLEUS_CANDIDATES, vocab))
-        if (values - total).exp().sum() < params.top_p:  # the nucleus reaches past the candidates
+        probs = (values - total).exp()
+        if probs.sum() < params.top_p:  # the nucleus reaches past the candidates
             values, ids = logits.sort(descending=True)
-    probs = (values - total).exp()
+            probs = (values - total).exp()
     _check(probs.sum())
     # Keep a token while the mass before it is below top_p; rounding must not drop the most likely one.
     inside = (probs.cumsum(dim=-1) - probs) < params.top_p
