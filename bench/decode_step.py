@@ -2,10 +2,10 @@
 
 A decode step reads every int8 weight once, and every row's float32 keys and values. This bench times the
 step of the default model (the worker's own forward, worker/forward.py) at a few batch sizes, and inside it
-the time spent in fbgemm's int8 calls, then the host's memory read bandwidth (a sum over a buffer much
-larger than the caches). The kernels' share bounds what a leaner forward could gain; the bytes read over
-the bandwidth bound what any forward of these weights and this cache could reach on this host. Prints one
-row per batch size; writes bench/results/decode_step.json.
+the time spent in fbgemm's int8 calls (by torch's profiler, over separate steps), then the host's memory
+read bandwidth (a sum over a buffer much larger than the caches). The kernels' share bounds what a leaner
+forward could gain; the bytes read over the bandwidth bound what any forward of these weights and this cache
+could reach on this host. Prints one row per batch size; writes bench/results/decode_step.json.
 """
 
 from __future__ import annotations
@@ -15,12 +15,14 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import worker.quant as quant  # noqa: E402
 from bench.stack_throughput import RESULTS  # noqa: E402
@@ -29,19 +31,18 @@ from worker.cache import new_cache  # noqa: E402
 from worker.forward import Part, forward_parts  # noqa: E402
 from worker.model import load_model  # noqa: E402
 
+KERNEL = "quantized::linear_with_input_q_dq_qweight_dq_output_fp32"
 
-class KernelClock:
-    """Wraps the int8 call that worker/quant.py makes, adding up the seconds spent in it."""
 
-    def __init__(self) -> None:
-        self.inner, self.seconds = quant._LINEAR, 0.0
-
-    def __call__(self, *args: object) -> torch.Tensor:
-        start = time.perf_counter()
-        try:
-            return self.inner(*args)
-        finally:
-            self.seconds += time.perf_counter() - start
+def kernel_seconds(step: Callable[[], object], steps: int) -> float:
+    """Median seconds per step spent inside fbgemm's int8 calls, by torch's profiler (the calls are made from
+    TorchScript, worker/scripted.py, where Python cannot wrap them)."""
+    per_step = []
+    for _ in range(steps):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step()
+        per_step.append(sum(e.self_cpu_time_total for e in prof.key_averages() if e.key == KERNEL) / 1e6)
+    return statistics.median(per_step)
 
 
 def int8_weight_bytes(model: torch.nn.Module) -> int:
@@ -62,19 +63,24 @@ def read_bandwidth(megabytes: int = 512) -> float:
 
 
 @torch.inference_mode()
-def measure(model: torch.nn.Module, clock: KernelClock, rows: int, context: int, steps: int) -> dict:
+def measure(model: torch.nn.Module, rows: int, context: int, steps: int) -> dict:
     cache = new_cache(model.config, ragged=True)
     ids = torch.randint(100, 1000, (rows, context))
     forward_parts(model, [Part(ids, torch.arange(context).expand(rows, context), cache)])
-    step_times, kernel_times = [], []
-    for step in range(steps + 3):  # the first three warm up
-        clock.seconds = 0.0
+    position = context
+
+    def step() -> None:
+        nonlocal position
+        forward_parts(model, [Part(torch.randint(100, 1000, (rows, 1)), torch.full((rows, 1), position), cache)])
+        position += 1
+
+    step_times = []
+    for index in range(steps + 3):  # the first three warm up
         start = time.perf_counter()
-        forward_parts(model, [Part(torch.randint(100, 1000, (rows, 1)), torch.full((rows, 1), context + step), cache)])
-        if step >= 3:
+        step()
+        if index >= 3:
             step_times.append(time.perf_counter() - start)
-            kernel_times.append(clock.seconds)
-    step_ms, kernel_ms = statistics.median(step_times) * 1e3, statistics.median(kernel_times) * 1e3
+    step_ms, kernel_ms = statistics.median(step_times) * 1e3, kernel_seconds(step, 10) * 1e3
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     held = context + 3 + steps // 2  # the tokens each row's cache holds at the median step
@@ -93,9 +99,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = load_model(Settings(worker_threads=args.threads)).model
-    clock = KernelClock()
-    quant._LINEAR = clock
-    levels = [measure(model, clock, rows, args.context, args.steps) for rows in args.rows]
+    levels = [measure(model, rows, args.context, args.steps) for rows in args.rows]
     weights, bandwidth = int8_weight_bytes(model), read_bandwidth()
     print(f"int8 weights read per step: {weights / 1e6:.0f} MB; host read bandwidth {bandwidth / 1e9:.1f} GB/s")
     print(f"{'rows':>5} {'step ms':>8} {'int8 kernels ms':>16} {'share':>6} {'tok/s':>7} {'KV cache MB':>12} "

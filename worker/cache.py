@@ -114,6 +114,7 @@ class RaggedLayer(DynamicLayer):
             if length + added > self.key_buffers[row].shape[2]:
                 self._grow(row, length, length + added)
         # One call writes every row's keys and values: rows hold different lengths, so no single tensor op can.
+        # (Not scripted: TorchScript drops a _foreach_copy_ into views of list elements as dead code.)
         torch._foreach_copy_([b.narrow(2, n, added) for buffers in (self.key_buffers, self.value_buffers)
                               for b, n in zip(buffers, rows.lengths, strict=True)],
                              [*key_states.split(1), *value_states.split(1)])

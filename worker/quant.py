@@ -31,18 +31,12 @@ from transformers import AttentionInterface, Cache, LlamaForCausalLM, PreTrained
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
+from worker import scripted
 from worker.rotation import InputRotation, rotate_residual
+from worker.scripted import EPS
 
-ACT_MAX = 127  # activations: round(x / rowmax * 127) in [-127, 127], fed to fbgemm as uint8 with zero point 128
-ACT_ZERO_POINT = 128
 WEIGHT_MAX = 63  # weights: 7 bits, so that fbgemm's int16 pair sums cannot saturate (see above)
-EPS = 1e-12  # floor of a scale: an all-zero row or channel quantises to zeros instead of NaN
 ROWWISE_ATTENTION = "llmserve_rowwise_sdpa"
-# The overload's own C++ function: calling the packet (torch.ops.quantized.<name>), or the overload, runs a
-# Python check on every call for a tracer's fake arguments, which at 121 calls per decode step is a
-# measurable part of it at batch 1 (nothing here is traced).
-_LINEAR = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32.default._op
-_sdpa = nn.functional.scaled_dot_product_attention
 
 
 def supported() -> bool:
@@ -75,27 +69,7 @@ class Int8Linear(nn.Module):
         self.bias = nn.Parameter(torch.cat(biases), requires_grad=False) if has_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Six ops per call (30 layers x 4 calls per decode step: Python overhead counts at batch 1).
-        # x / rowmax is in [-1, 1]; the kernel quantises it with scale 1/127 (elementwise rounding),
-        # multiplies in integers and scales each output by (1/127) * channel scale; * rowmax restores it.
-        return self._forward(x, None)
-
-    def after_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
-        """This layer applied to RMSNorm(x) of gain 1 (a rotated model's: worker/rotation.py), the norm
-        included: it only scales each row, which the row's own quantisation scale undoes, so the norm
-        becomes one more factor of the output scale instead of a pass over the row's values."""
-        return self._forward(x, eps)
-
-    def _forward(self, x: torch.Tensor, norm_eps: float | None) -> torch.Tensor:
-        dtype = x.dtype
-        if dtype != torch.float32:
-            x = x.float()
-        rowmax = x.abs().amax(dim=-1, keepdim=True).clamp_min_(EPS)  # 3x faster than vector_norm(inf) at batch 16
-        out = _LINEAR(x / rowmax, 1.0 / ACT_MAX, ACT_ZERO_POINT, self.packed)
-        if norm_eps is not None:
-            rowmax = rowmax * x.pow(2).mean(dim=-1, keepdim=True).add_(norm_eps).rsqrt_()
-        out = out.mul_(rowmax) if self.bias is None else out.mul_(rowmax).add_(self.bias)
-        return out if dtype == torch.float32 else out.to(dtype)
+        return scripted.int8_linear(x, self.packed, self.bias, None)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -114,9 +88,7 @@ def rowwise_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor | lis
     if kwargs.get("sliding_window") or kwargs.get("softcap") or kwargs.get("position_bias") is not None:
         raise NotImplementedError("int8's row-wise attention handles plain causal attention only")
     if isinstance(key, list):
-        runs = [_attend(query[row:row + 1], key[row], value[row], attention_mask, row, key[row].shape[2], scaling)
-                for row in range(query.shape[0])]
-        return (runs[0] if len(runs) == 1 else torch.cat(runs)).transpose(1, 2).contiguous(), None
+        return scripted.attend_rows(query, key, value, attention_mask, scaling), None
     batch, kv_len = query.shape[0], key.shape[2]
     if attention_mask is None:
         valid = [kv_len] * batch
@@ -126,27 +98,10 @@ def rowwise_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor | lis
     runs, start = [], 0
     for end in range(1, batch + 1):
         if end == batch or valid[end] != valid[start]:
-            runs.append(_attend(query[start:end], key[start:end], value[start:end], attention_mask, start,
-                                valid[start], scaling))
+            runs.append(scripted.attend(query[start:end], key[start:end], value[start:end], attention_mask, start,
+                                        valid[start], scaling))
             start = end
     return (runs[0] if len(runs) == 1 else torch.cat(runs)).transpose(1, 2).contiguous(), None
-
-
-def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
-            first_row: int, n: int, scaling: float | None) -> torch.Tensor:
-    """Attention of rows that each hold `n` real tokens (the last `n` of `key`), over those tokens only;
-    zeros for padding queries."""
-    q_len, kv_len = query.shape[2], key.shape[2]
-    t = min(q_len, n)  # the rows' real queries: the last t
-    # t == n: a prefill (causal); t == 1: a decode step (sees all n keys); else a chunk after cached
-    # tokens, which needs the mask's real part (its last n columns).
-    mask = None if t in (1, n) else attention_mask[first_row:first_row + len(query), :, q_len - t:,
-                                                   attention_mask.shape[-1] - n:]
-    if kv_len != n:
-        key, value = key[:, :, kv_len - n:], value[:, :, kv_len - n:]
-    out = _sdpa(query if t == q_len else query[:, :, q_len - t:], key, value, attn_mask=mask,
-                is_causal=t > 1 and mask is None, scale=scaling, enable_gqa=True)
-    return out if t == q_len else nn.functional.pad(out, (0, 0, q_len - t, 0))
 
 
 AttentionInterface.register(ROWWISE_ATTENTION, rowwise_sdpa)
@@ -155,8 +110,9 @@ AttentionMaskInterface.register(ROWWISE_ATTENTION, sdpa_mask)  # the padding mas
 
 class Int8LlamaLayer(nn.Module):
     """A Llama decoder layer in four int8 kernel calls instead of seven (q, k and v fused, gate and up
-    fused), and in one Python function instead of a tree of modules: at batch 1 a decode step is mostly
-    per-call overhead, paid 30 times per token. Same arithmetic as the layer it replaces, row by row."""
+    fused), in a few scripted functions (worker/scripted.py) instead of a tree of modules: at batch 1 a decode
+    step is mostly per-call overhead, paid 30 times per token. Same arithmetic as the layer it replaces, row by
+    row."""
 
     def __init__(self, layer: LlamaDecoderLayer, down_rotation: InputRotation | None = None) -> None:
         """With `down_rotation`, down_proj's input is rotated in the forward and its weights take the
@@ -175,8 +131,10 @@ class Int8LlamaLayer(nn.Module):
         self.gate_up = Int8Linear(mlp.gate_proj, mlp.up_proj)
         self.down_proj = Int8Linear(mlp.down_proj)
         norms = (self.input_layernorm, self.post_attention_layernorm)
-        # Gains of 1 (after worker/rotation.py): each norm is folded into the int8 call reading it.
-        self.norm_eps = norms[0].variance_epsilon if all(bool((n.weight == 1).all()) for n in norms) else None
+        self.norm_eps = norms[0].variance_epsilon
+        # Gains of 1 (after worker/rotation.py): None, and each norm is folded into the int8 call reading it.
+        folded = all(bool((n.weight == 1).all()) for n in norms)
+        self.gains = (None, None) if folded else tuple(n.weight for n in norms)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, cache: Cache | None = None,
@@ -193,28 +151,23 @@ class Int8LlamaLayer(nn.Module):
         shapes = [h.shape[:2] for h in hidden]
         sizes = [rows * length for rows, length in shapes]
         x = _cat([h.reshape(n, -1) for h, n in zip(hidden, sizes, strict=True)])
-        qkv = self._normed(self.qkv, self.input_layernorm, x)
-        attended = _cat([self._attend(part.view(rows, length, -1, self.head_dim).transpose(1, 2), *factors,
-                                      mask, cache).reshape(rows * length, -1)
+        qkv = scripted.normed_linear(x, self.qkv.packed, self.gains[0], self.norm_eps)
+        attended = _cat([self._attend(part, rows, length, *factors, mask, cache).reshape(rows * length, -1)
                          for part, (rows, length), factors, mask, cache
                          in zip(_split(qkv, sizes), shapes, rope, masks, caches, strict=True)])
-        x = x + self.o_proj(attended)
-        gate, up = self._normed(self.gate_up, self.post_attention_layernorm, x).chunk(2, dim=-1)
-        mixed = nn.functional.silu(gate) * up
-        x = x + self.down_proj(mixed if self.down_rotation is None else self.down_rotation(mixed))
+        rotation = None if self.down_rotation is None else self.down_rotation.block
+        x = scripted.mlp_residual(x, attended, self.o_proj.packed, self.gate_up.packed, self.down_proj.packed,
+                                  self.gains[1], self.norm_eps, rotation)
         return [part.view(rows, length, -1) for part, (rows, length) in zip(_split(x, sizes), shapes, strict=True)]
 
-    def _attend(self, qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, mask: torch.Tensor | None,
-                cache: Cache | None) -> torch.Tensor:
-        """Attention of one part, from its fused projections ([rows, heads, length, head_dim])."""
-        qk = _rotate(qkv[:, :self.q_heads + self.kv_heads], cos, signed_sin)  # q and k heads in one go
-        query, key, value = qk[:, :self.q_heads], qk[:, self.q_heads:], qkv[:, self.q_heads + self.kv_heads:]
+    def _attend(self, qkv: torch.Tensor, rows: int, length: int, cos: torch.Tensor, signed_sin: torch.Tensor,
+                mask: torch.Tensor | None, cache: Cache | None) -> torch.Tensor:
+        """Attention of one part, from its fused projections ([rows * length, (q + 2 kv heads) * head_dim])."""
+        query, key, value = scripted.heads(qkv, rows, length, self.head_dim, self.q_heads, self.kv_heads, cos,
+                                           signed_sin)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
         return rowwise_sdpa(self, query, key, value, mask, scaling=self.scaling)[0]
-
-    def _normed(self, linear: Int8Linear, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return linear(norm(x)) if self.norm_eps is None else linear.after_norm(x, self.norm_eps)
 
 
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -232,11 +185,6 @@ def rotary_factors(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, 
     number, and the swap of halves becomes one roll: four small ops per layer instead of nine."""
     half = sin.shape[-1] // 2
     return cos.unsqueeze(1), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(1)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of (batch, heads, length, head_dim) with Llama's half-split layout."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def _fusable(model: nn.Module) -> bool:

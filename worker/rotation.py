@@ -27,6 +27,8 @@ import torch
 from torch import nn
 from transformers import LlamaForCausalLM
 
+from worker.scripted import rotate_blocks
+
 PALEY_PRIME = 11  # Paley's construction over GF(11) gives a Hadamard matrix of order 12
 
 
@@ -121,11 +123,7 @@ class InputRotation(nn.Module):
         return n % cls.BLOCK == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One product of the same shape per row (bmm), not one over the whole batch (matmul), whose kernel
-        # varies with the number of rows and with it the last bits: a row's result must not depend on its batch.
-        shape = x.shape
-        blocks = x.reshape(-1, self.n // self.BLOCK, self.BLOCK)
-        return torch.bmm(blocks, self.block.expand(blocks.shape[0], -1, -1)).reshape(shape)
+        return rotate_blocks(x, self.block)
 
     def fold(self, linear: nn.Linear) -> None:
         """W H, block by block (H is block-diagonal: no n x n matrix is built)."""
