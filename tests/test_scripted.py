@@ -69,3 +69,23 @@ def test_the_mlp_and_its_rotation_are_eager_s_bits(rows: int) -> None:
     same_every_call("rotate_blocks", torch.randn(rows, 1536), block)
     same_every_call("mlp_residual", x, attended, *weights, None, 1e-5, block)
     same_every_call("mlp_residual", x, attended, *weights, torch.rand(576) + 0.5, 1e-5, None)
+
+
+@pytest.mark.parametrize("added", [1, 16])
+def test_rows_written_into_their_buffers_are_eager_s_and_land_in_place(added: int) -> None:
+    torch.manual_seed(added)
+    lengths, keys, values = [3, 40, 0], torch.randn(3, 3, added, 64), torch.randn(3, 3, added, 64)
+    made = []
+    for function in (scripted.PLAIN["write_rows"], scripted.write_rows):
+        for _ in range(CALLS):
+            key_buffers = [torch.zeros(1, 3, 64, 64) for _ in lengths]
+            value_buffers = [torch.zeros(1, 3, 64, 64) for _ in lengths]
+            row_keys, row_values = function(key_buffers, value_buffers, lengths, keys, values)
+        made.append((key_buffers, value_buffers, row_keys, row_values))
+        for row, length in enumerate(lengths):
+            assert row_keys[row].data_ptr() == key_buffers[row].data_ptr()  # views of the buffers, no copy
+            assert torch.equal(row_keys[row][:, :, length:], keys[row:row + 1])
+            assert torch.equal(row_values[row][:, :, length:], values[row:row + 1])
+            assert not key_buffers[row][:, :, length + added:].any()  # nothing past the new tokens
+    for plain, script in zip(*made, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(plain, script, strict=True))

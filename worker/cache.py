@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedConfig
 from transformers.cache_utils import DynamicLayer
 
+from worker.scripted import write_rows
+
 ROOM = 128  # columns added at each growth: a copy every 128 tokens, at most 128 unused columns per layer
 
 
@@ -113,17 +115,11 @@ class RaggedLayer(DynamicLayer):
         for row, length in enumerate(rows.lengths):
             if length + added > self.key_buffers[row].shape[2]:
                 self._grow(row, length, length + added)
-        # One call writes every row's keys and values: rows hold different lengths, so no single tensor op can.
-        # (Not scripted: TorchScript drops a _foreach_copy_ into views of list elements as dead code.)
-        torch._foreach_copy_([b.narrow(2, n, added) for buffers in (self.key_buffers, self.value_buffers)
-                              for b, n in zip(buffers, rows.lengths, strict=True)],
-                             [*key_states.split(1), *value_states.split(1)])
-        lengths = [length + added for length in rows.lengths]
+        written = write_rows(self.key_buffers, self.value_buffers, rows.lengths, key_states, value_states)
         rows.written += 1
         if rows.written == rows.layers:
-            rows.lengths, rows.written = lengths, 0
-        return ([b.narrow(2, 0, n) for b, n in zip(self.key_buffers, lengths, strict=True)],
-                [b.narrow(2, 0, n) for b, n in zip(self.value_buffers, lengths, strict=True)])
+            rows.lengths, rows.written = [length + added for length in rows.lengths], 0
+        return written
 
     def _grow(self, row: int, length: int, needed: int) -> None:
         """A larger buffer for one row (twice the room: a row is copied a few times over its life, at most)."""

@@ -91,6 +91,21 @@ def attend_rows(query: Tensor, keys: list[Tensor], values: list[Tensor], attenti
     return (runs[0] if len(runs) == 1 else torch.cat(runs)).transpose(1, 2).contiguous()
 
 
+def write_rows(key_buffers: list[Tensor], value_buffers: list[Tensor], lengths: list[int], keys: Tensor,
+               values: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+    """Row r's new keys and values written after its lengths[r] tokens into its own buffers (which have room);
+    returns each row's keys and values so far, views of its buffers. (A copy per row: a script drops one
+    _foreach_copy_ into such views as dead code.)"""
+    added = keys.shape[2]
+    row_keys, row_values = [], []
+    for r in range(len(lengths)):
+        key_buffers[r].narrow(2, lengths[r], added).copy_(keys[r:r + 1])
+        value_buffers[r].narrow(2, lengths[r], added).copy_(values[r:r + 1])
+        row_keys.append(key_buffers[r].narrow(2, 0, lengths[r] + added))
+        row_values.append(value_buffers[r].narrow(2, 0, lengths[r] + added))
+    return row_keys, row_values
+
+
 def mlp_residual(x: Tensor, attended: Tensor, o_proj: Packed, gate_up: Packed, down_proj: Packed,
                  gain: Tensor | None, eps: float, rotation: Tensor | None) -> Tensor:
     """The rest of a layer after attention: its output projection and residual, then the MLP and its residual.
@@ -112,8 +127,8 @@ def rotate_blocks(x: Tensor, block: Tensor) -> Tensor:
     return torch.bmm(blocks, block.expand(blocks.shape[0], -1, -1)).reshape(x.shape)
 
 
-PLAIN = {f.__name__: f for f in (int8_linear, normed_linear, heads, attend, attend_rows, rotate_blocks,
-                                  mlp_residual)}
+PLAIN = {f.__name__: f for f in (int8_linear, normed_linear, heads, attend, attend_rows, write_rows,
+                                  rotate_blocks, mlp_residual)}
 with warnings.catch_warnings():
     # Deprecated in favour of torch.compile, whose CPU code needs a C++ compiler at run time; torch is pinned.
     warnings.filterwarnings("ignore", message=".*torch.jit.script.* is deprecated", category=DeprecationWarning)
@@ -123,5 +138,6 @@ with warnings.catch_warnings():
     heads = torch.jit.script(heads)
     attend = torch.jit.script(attend)
     attend_rows = torch.jit.script(attend_rows)
+    write_rows = torch.jit.script(write_rows)
     rotate_blocks = torch.jit.script(rotate_blocks)
     mlp_residual = torch.jit.script(mlp_residual)
