@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
 
 import worker.quant as quant  # noqa: E402
 from bench.stack_throughput import RESULTS  # noqa: E402
@@ -62,11 +63,30 @@ def read_bandwidth(megabytes: int = 512) -> float:
     return buffer.numel() * 4 / statistics.median(times)
 
 
-@torch.inference_mode()
-def measure(model: torch.nn.Module, rows: int, context: int, steps: int) -> dict:
+def prefilled(model: torch.nn.Module, rows: int, context: int) -> DynamicCache:
+    """A ragged cache of `rows` rows, each `context` random tokens prefilled."""
     cache = new_cache(model.config, ragged=True)
     ids = torch.randint(100, 1000, (rows, context))
     forward_parts(model, [Part(ids, torch.arange(context).expand(rows, context), cache)])
+    return cache
+
+
+def parse_and_load(description: str, steps: int, out: Path) -> tuple[argparse.Namespace, torch.nn.Module]:
+    """The decode benches' arguments, and the default model loaded with their thread count."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32])
+    parser.add_argument("--context", type=int, default=64, help="tokens already in each row's cache")
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=out)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    return args, load_model(Settings(worker_threads=args.threads)).model
+
+
+@torch.inference_mode()
+def measure(model: torch.nn.Module, rows: int, context: int, steps: int) -> dict:
+    cache = prefilled(model, rows, context)
     position = context
 
     def step() -> None:
@@ -90,15 +110,7 @@ def measure(model: torch.nn.Module, rows: int, context: int, steps: int) -> dict
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32])
-    parser.add_argument("--context", type=int, default=64, help="tokens already in each row's cache")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS / "decode_step.json")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    model = load_model(Settings(worker_threads=args.threads)).model
+    args, model = parse_and_load(__doc__.splitlines()[0], 30, RESULTS / "decode_step.json")
     levels = [measure(model, rows, args.context, args.steps) for rows in args.rows]
     weights, bandwidth = int8_weight_bytes(model), read_bandwidth()
     print(f"int8 weights read per step: {weights / 1e6:.0f} MB; host read bandwidth {bandwidth / 1e9:.1f} GB/s")

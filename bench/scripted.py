@@ -6,7 +6,6 @@ Prints the median step of each and their ratio per batch size; writes bench/resu
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -18,30 +17,23 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-import worker.cache as cache_module  # noqa: E402
+from bench.decode_step import parse_and_load, prefilled  # noqa: E402
 from bench.stack_throughput import RESULTS  # noqa: E402
-from common.settings import Settings  # noqa: E402
 from worker import scripted  # noqa: E402
-from worker.cache import new_cache  # noqa: E402
 from worker.forward import Part, forward_parts  # noqa: E402
-from worker.model import load_model  # noqa: E402
 
 COMPILED = {name: getattr(scripted, name) for name in scripted.PLAIN}
 
 
 def use(eager: bool) -> None:
     """Point the module's names (which quant.py, cache.py and the plain functions themselves call) at one kind."""
-    chosen = scripted.PLAIN if eager else COMPILED
-    for name, function in chosen.items():
+    for name, function in (scripted.PLAIN if eager else COMPILED).items():
         setattr(scripted, name, function)
-    cache_module.write_rows = chosen["write_rows"]
 
 
 @torch.inference_mode()
 def measure(model: torch.nn.Module, rows: int, context: int, steps: int) -> dict:
-    cache = new_cache(model.config, ragged=True)
-    forward_parts(model, [Part(torch.randint(100, 1000, (rows, context)), torch.arange(context).expand(rows, context),
-                               cache)])
+    cache = prefilled(model, rows, context)
     seconds: dict[bool, list[float]] = {True: [], False: []}
     identical = True
     for step in range(steps + 2):  # the first two warm up
@@ -63,15 +55,7 @@ def measure(model: torch.nn.Module, rows: int, context: int, steps: int) -> dict
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32])
-    parser.add_argument("--context", type=int, default=64, help="tokens already in each row's cache")
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS / "scripted.json")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    model = load_model(Settings(worker_threads=args.threads)).model
+    args, model = parse_and_load(__doc__.splitlines()[0], 40, RESULTS / "scripted.json")
     print(f"{'rows':>5} {'eager ms':>9} {'scripted ms':>12} {'speedup':>8} {'same logits':>12}")
     levels = []
     for rows in args.rows:

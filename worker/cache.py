@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedConfig
 from transformers.cache_utils import DynamicLayer
 
-from worker.scripted import write_rows
+from worker import scripted
 
 ROOM = 128  # columns added at each growth: a copy every 128 tokens, at most 128 unused columns per layer
 
@@ -115,7 +115,7 @@ class RaggedLayer(DynamicLayer):
         for row, length in enumerate(rows.lengths):
             if length + added > self.key_buffers[row].shape[2]:
                 self._grow(row, length, length + added)
-        written = write_rows(self.key_buffers, self.value_buffers, rows.lengths, key_states, value_states)
+        written = scripted.write_rows(self.key_buffers, self.value_buffers, rows.lengths, key_states, value_states)
         rows.written += 1
         if rows.written == rows.layers:
             rows.lengths, rows.written = [length + added for length in rows.lengths], 0

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from transformers import LlamaForCausalLM
 
-from worker.scripted import rotate_blocks
+from worker import scripted
 
 PALEY_PRIME = 11  # Paley's construction over GF(11) gives a Hadamard matrix of order 12
 
@@ -123,7 +123,7 @@ class InputRotation(nn.Module):
         return n % cls.BLOCK == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rotate_blocks(x, self.block)
+        return scripted.rotate_blocks(x, self.block)
 
     def fold(self, linear: nn.Linear) -> None:
         """W H, block by block (H is block-diagonal: no n x n matrix is built)."""
