@@ -95,6 +95,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3,
                         help="turns of every server; each level reports its median round by output tok/s")
     parser.add_argument("--out", default=str(RESULTS / "peers.json"))
+    parser.add_argument("--scripted-too", action="store_true",
+                        help="a second llmserve series with WORKER_NATIVE=off (worker/native.cpp's kernels off)")
     args = parser.parse_args()
     gguf, threads, logs = bundled_gguf(), str(args.threads), Path("/tmp")
 
@@ -111,11 +113,13 @@ def main() -> None:
     missing = [name for name, (path, _, _) in peers.items() if not os.path.exists(path)]
     for name in missing:
         print(f"\n{name}: {peers.pop(name)[0]} not found, skipped")
-    rounds: dict[str, list[list[dict]]] = {name: [] for name in ["llmserve", *peers]}
+    ours = {"llmserve": {}, **({"llmserve-scripted": {"WORKER_NATIVE": "off"}} if args.scripted_too else {})}
+    rounds: dict[str, list[list[dict]]] = {name: [] for name in [*ours, *peers]}
     for _ in range(args.rounds):  # the servers take turns, so that each round sees one state of the machine
-        with private_stack(1, WORKER_THREADS=threads, WORKER_SLOTS=str(max(args.concurrency)),
-                           LOG_LEVEL="WARNING") as ours:
-            rounds["llmserve"].append(asyncio.run(measure(ours.url, args.concurrency, args.new_tokens, "llmserve")))
+        for name, env in ours.items():
+            with private_stack(1, WORKER_THREADS=threads, WORKER_SLOTS=str(max(args.concurrency)),
+                               LOG_LEVEL="WARNING", **env) as stack:
+                rounds[name].append(asyncio.run(measure(stack.url, args.concurrency, args.new_tokens, name)))
         for name, (_, env, argv) in peers.items():
             port = free_port()
             with peer_server([*argv, str(port)], {**os.environ, **env}, port, logs / f"bench-{name}.log") as url:

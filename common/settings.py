@@ -21,6 +21,7 @@ class Settings:
     worker_device: str = "auto"
     worker_dtype: str = "auto"
     worker_quant: str = "auto"
+    worker_native: str = "auto"
     worker_batching: str = "continuous"
     prefill_block: int = 0
     prefill_chunk: int = 16
@@ -81,6 +82,8 @@ class Settings:
                 raise SettingsError(f"{field.name.upper()}={value}: must not be negative")
         if self.drain_mode not in ("auto", "finish"):
             raise SettingsError(f"DRAIN_MODE={self.drain_mode!r}: expected auto or finish")
+        if self.worker_native not in ("auto", "on", "off"):
+            raise SettingsError(f"WORKER_NATIVE={self.worker_native!r}: expected auto, on or off")
         if self.scheduling_policy not in ("fair", "fifo"):
             raise SettingsError(f"SCHEDULING_POLICY={self.scheduling_policy!r}: expected fair or fifo")
         for name in ("worker_slots", "max_message_bytes", "heartbeat_interval", "worker_ttl", "poison_limit",

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from common import toolcalls
 from common.protocol import Detokenize, Submit, Tokenize, Tokens
 from common.settings import DEFAULT_MODEL, Settings
+from worker import native
 from worker import quant as int8
 from worker.grammar import Grammars
 
@@ -142,7 +143,7 @@ def load_model(settings: Settings) -> LoadedModel:
     tokenizer = AutoTokenizer.from_pretrained(path, **extra)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra).to(device).eval()
     if quant == "int8":
-        int8.quantize_int8(model)
+        int8.quantize_int8(model, native=native.load(settings.worker_native))
         _return_freed_memory()
     eos = model.generation_config.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [tokenizer.eos_token_id])

@@ -47,7 +47,7 @@ def supported() -> bool:
 class Int8Linear(nn.Module):
     """Drop-in for an `nn.Linear` on CPU: int8 weights, per-row int8 activations, float in and out."""
 
-    def __init__(self, *linears: nn.Linear) -> None:
+    def __init__(self, *linears: nn.Linear, native: bool = False) -> None:
         """One layer, or several over the same input fused into one (their outputs side by side): the
         row scale is the shared input's and the weight scales are per output channel, so fusing changes
         no bit of any output, and one kernel call does the work of several."""
@@ -67,8 +67,11 @@ class Int8Linear(nn.Module):
         biases = [torch.zeros(lin.out_features) if lin.bias is None else lin.bias.detach().float() for lin in linears]
         has_bias = any(lin.bias is not None for lin in linears)
         self.bias = nn.Parameter(torch.cat(biases), requires_grad=False) if has_bias else None
+        self.native = native  # worker/native.cpp's call: the same bits, less overhead
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native and x.dtype == torch.float32:
+            return torch.ops.llmserve.int8_linear(x, self.packed, self.bias, None)
         return scripted.int8_linear(x, self.packed, self.bias, None)
 
     def extra_repr(self) -> str:
@@ -88,6 +91,9 @@ def rowwise_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor | lis
     if kwargs.get("sliding_window") or kwargs.get("softcap") or kwargs.get("position_bias") is not None:
         raise NotImplementedError("int8's row-wise attention handles plain causal attention only")
     if isinstance(key, list):
+        if getattr(module, "native", False) and query.shape[2] == 1:  # a decode step: worker/native.cpp
+            scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+            return torch.ops.llmserve.decode_attention(query, key, value, scale), None
         return scripted.attend_rows(query, key, value, attention_mask, scaling), None
     batch, kv_len = query.shape[0], key.shape[2]
     if attention_mask is None:
@@ -114,9 +120,11 @@ class Int8LlamaLayer(nn.Module):
     step is mostly per-call overhead, paid 30 times per token. Same arithmetic as the layer it replaces, row by
     row."""
 
-    def __init__(self, layer: LlamaDecoderLayer, down_rotation: InputRotation | None = None) -> None:
+    def __init__(self, layer: LlamaDecoderLayer, down_rotation: InputRotation | None = None,
+                 native: bool = False) -> None:
         """With `down_rotation`, down_proj's input is rotated in the forward and its weights take the
-        rotation (worker/rotation.py): its activations' outliers are spread before they are quantised."""
+        rotation (worker/rotation.py): its activations' outliers are spread before they are quantised. With
+        `native`, a layer whose norms are folded runs worker/native.cpp's kernels (torch.ops.llmserve)."""
         super().__init__()
         attn, mlp = layer.self_attn, layer.mlp
         self.down_rotation = down_rotation
@@ -135,6 +143,7 @@ class Int8LlamaLayer(nn.Module):
         # Gains of 1 (after worker/rotation.py): None, and each norm is folded into the int8 call reading it.
         folded = all(bool((n.weight == 1).all()) for n in norms)
         self.gains = (None, None) if folded else tuple(n.weight for n in norms)
+        self.native = native and folded and (down_rotation is None or down_rotation.sylvester)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, cache: Cache | None = None,
@@ -151,11 +160,19 @@ class Int8LlamaLayer(nn.Module):
         shapes = [h.shape[:2] for h in hidden]
         sizes = [rows * length for rows, length in shapes]
         x = _cat([h.reshape(n, -1) for h, n in zip(hidden, sizes, strict=True)])
-        qkv = scripted.normed_linear(x, self.qkv.packed, self.gains[0], self.norm_eps)
+        if self.native:
+            qkv = torch.ops.llmserve.int8_linear(x, self.qkv.packed, None, self.norm_eps)
+        else:
+            qkv = scripted.normed_linear(x, self.qkv.packed, self.gains[0], self.norm_eps)
         attended = _cat([self._attend(part, rows, length, *factors, mask, cache).reshape(rows * length, -1)
                          for part, (rows, length), factors, mask, cache
                          in zip(_split(qkv, sizes), shapes, rope, masks, caches, strict=True)])
         rotation = None if self.down_rotation is None else self.down_rotation.block
+        if self.native:
+            block = 0 if rotation is None else rotation.shape[0]
+            x = torch.ops.llmserve.mlp_residual(x, attended, self.o_proj.packed, self.gate_up.packed,
+                                                self.down_proj.packed, self.norm_eps, block)
+            return [part.view(rows, length, -1) for part, (rows, length) in zip(_split(x, sizes), shapes, strict=True)]
         x = scripted.mlp_residual(x, attended, self.o_proj.packed, self.gate_up.packed, self.down_proj.packed,
                                   self.gains[1], self.norm_eps, rotation)
         return [part.view(rows, length, -1) for part, (rows, length) in zip(_split(x, sizes), shapes, strict=True)]
@@ -201,13 +218,14 @@ def takes_rows_alone(model: nn.Module) -> bool:
     return bool(layers) and all(isinstance(layer, Int8LlamaLayer) for layer in layers)
 
 
-def quantize_int8(model: nn.Module, rotate: bool = True) -> int:
+def quantize_int8(model: nn.Module, rotate: bool = True, native: bool = False) -> int:
     """Replace every `nn.Linear` of `model` (for a causal LM: the decoder layers' projections and the
     `lm_head`) by an `Int8Linear`, in place, and switch its attention to `rowwise_sdpa`; returns how many
     linears. A plain Llama's decoder layers become `Int8LlamaLayer`s, with fused projections, after its
     residual stream is rotated, and with down_proj's input rotated (worker/rotation.py), unless not
-    `rotate`. The embedding lookup stays float, also when `lm_head` is tied to it. Call it once the model
-    is on the CPU."""
+    `rotate`. The embedding lookup stays float, also when `lm_head` is tied to it. With `native`, the layers
+    call worker/native.cpp's kernels (which worker/native.py must have loaded). Call it once the model is on
+    the CPU."""
     if not supported():
         raise RuntimeError("int8 needs torch's fbgemm engine, which this torch build lacks (x86 builds have it)")
     linears = _linears(model)
@@ -224,9 +242,9 @@ def quantize_int8(model: nn.Module, rotate: bool = True) -> int:
             down = InputRotation(width) if rotate and InputRotation.fits(width) else None
             layers = model.model.layers
             for index, layer in enumerate(layers):
-                layers[index] = Int8LlamaLayer(layer, down)
+                layers[index] = Int8LlamaLayer(layer, down, native)
         for parent, name, linear in _linears(model):  # those the fused layers did not take: the lm_head
-            setattr(parent, name, Int8Linear(linear))
+            setattr(parent, name, Int8Linear(linear, native=native))
     finally:
         torch.backends.quantized.engine = engine
     if isinstance(model, PreTrainedModel):

@@ -118,6 +118,11 @@ class InputRotation(nn.Module):
             raise ValueError(f"an input rotation needs a width that is a multiple of {self.BLOCK}, not {n}")
         self.n, self.block = n, hadamard(self.BLOCK).float()
 
+    @property
+    def sylvester(self) -> bool:
+        """Whether the block is Sylvester's (an order of 2**a): a fast Walsh-Hadamard transform computes it."""
+        return self.BLOCK & (self.BLOCK - 1) == 0
+
     @classmethod
     def fits(cls, n: int) -> bool:
         return n % cls.BLOCK == 0

@@ -1,0 +1,151 @@
+"""worker/native.cpp, through worker/native.py: the int8 product gives the TorchScript layer's bits; the decode
+attention and the MLP agree with it to float rounding, and a row's result does not depend on its batch-mates;
+the setting's modes and a failed build behave as documented."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from common.settings import Settings, SettingsError
+from worker import native, scripted
+from worker.cache import new_cache
+from worker.forward import Part, forward_parts
+from worker.model import load_model
+from worker.quant import Int8Linear, Int8LlamaLayer
+from worker.rotation import InputRotation
+
+pytestmark = pytest.mark.skipif(not native.load("auto"), reason="worker/native.cpp does not build here")
+ops = torch.ops.llmserve
+
+
+def linear(in_features: int, out_features: int, bias: bool = False) -> Int8Linear:
+    return Int8Linear(nn.Linear(in_features, out_features, bias=bias), native=True)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_the_int8_product_is_the_scripted_one_bit_for_bit(rows: int) -> None:
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 576) * torch.logspace(-2, 2, rows)[:, None]
+    layer = linear(576, 960, bias=True)
+    for bias in (None, layer.bias):
+        for eps in (None, 1e-5):
+            want = scripted.PLAIN["int8_linear"](x, layer.packed, bias, eps)
+            assert torch.equal(ops.int8_linear(x, layer.packed, bias, eps), want)
+    want = scripted.int8_linear(x, layer.packed, layer.bias, None)
+    assert torch.equal(layer(x.view(1, rows, 576)), want.view(1, rows, -1))  # the lm_head's call, any leading shape
+
+
+def keys_and_values(lengths: list[int], room: int = 40) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Views of buffers with room, as a ragged cache holds them."""
+    keys = [torch.randn(1, 3, n + room, 64).narrow(2, 0, n) for n in lengths]
+    return keys, [torch.randn_like(k.contiguous()) for k in keys]
+
+
+def test_decode_attention_is_sdpa_s_to_rounding_and_each_row_its_own() -> None:
+    torch.manual_seed(0)
+    lengths = [1, 5, 70, 256, 257, 900]  # short rows in the compiled loop, long ones by ATen's kernel
+    query = torch.randn(len(lengths), 9, 1, 64)
+    keys, values = keys_and_values(lengths)
+    got = ops.decode_attention(query, keys, values, 0.125)
+    want = scripted.PLAIN["attend_rows"](query, keys, values, None, 0.125)
+    assert got.shape == want.shape == (len(lengths), 1, 9, 64)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[4:], want[4:])  # the long rows: the very kernel call
+    for row in range(len(lengths)):  # alone, or with other batch-mates: the same bits
+        alone = ops.decode_attention(query[row:row + 1], keys[row:row + 1], values[row:row + 1], 0.125)
+        assert torch.equal(alone, got[row:row + 1])
+    shuffled = [3, 0, 5, 1]
+    mixed = ops.decode_attention(query[shuffled], [keys[r] for r in shuffled], [values[r] for r in shuffled], 0.125)
+    assert torch.equal(mixed, got[shuffled])
+
+
+def test_decode_attention_refuses_what_it_cannot_read() -> None:
+    query = torch.randn(2, 9, 1, 64)
+    keys, values = keys_and_values([4, 4])
+    with pytest.raises(RuntimeError, match="each row's keys and values"):
+        ops.decode_attention(query, keys[:1], values[:1], 0.125)
+    with pytest.raises(RuntimeError, match="token after token"):
+        ops.decode_attention(query, [k.transpose(2, 3) for k in keys], values, 0.125)
+    with pytest.raises(RuntimeError, match="one float32 query"):
+        ops.decode_attention(torch.randn(2, 9, 2, 64), keys, values, 0.125)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_the_mlp_with_its_rotation_is_the_scripted_one_to_rounding_and_row_by_row(rows: int) -> None:
+    torch.manual_seed(rows)
+    o_proj, gate_up, down = linear(576, 576), linear(576, 3072), linear(1536, 576)
+    rotation = InputRotation(1536)
+    x, attended = torch.randn(rows, 576), torch.randn(rows, 576)
+    got = ops.mlp_residual(x, attended, o_proj.packed, gate_up.packed, down.packed, 1e-5, InputRotation.BLOCK)
+    want = scripted.PLAIN["mlp_residual"](x, attended, o_proj.packed, gate_up.packed, down.packed, None, 1e-5,
+                                          rotation.block)
+    # down_proj quantises its input: a rounding difference before it may move a value by one int8 step
+    torch.testing.assert_close(got, want, rtol=0, atol=0.05 * want.abs().max().item())
+    assert (got - want).abs().median() < 1e-4
+    for row in range(rows):
+        alone = ops.mlp_residual(x[row:row + 1], attended[row:row + 1], o_proj.packed, gate_up.packed, down.packed,
+                                 1e-5, InputRotation.BLOCK)
+        assert torch.equal(alone, got[row:row + 1])
+    plain = ops.mlp_residual(x, attended, o_proj.packed, gate_up.packed, down.packed, 1e-5, 0)
+    unrotated = scripted.PLAIN["mlp_residual"](x, attended, o_proj.packed, gate_up.packed, down.packed, None, 1e-5,
+                                               None)
+    torch.testing.assert_close(plain, unrotated, rtol=0, atol=0.05 * unrotated.abs().max().item())
+
+
+@pytest.fixture(scope="module")
+def int8_model() -> nn.Module:
+    return load_model(Settings(worker_threads=1)).model
+
+
+def test_the_default_model_runs_the_kernels_and_agrees_with_the_scripted_layer(int8_model: nn.Module) -> None:
+    layers = int8_model.model.layers
+    assert all(isinstance(layer, Int8LlamaLayer) and layer.native for layer in layers)
+    torch.manual_seed(0)
+    ids = torch.randint(100, 1000, (3, 16))  # 12 prompt tokens, then 4 decode steps of given tokens
+
+    @torch.inference_mode()
+    def logits(flag: bool) -> torch.Tensor:
+        for module in int8_model.modules():
+            if isinstance(module, Int8Linear | Int8LlamaLayer):
+                module.native = flag
+        cache = new_cache(int8_model.config, ragged=True)
+        out = forward_parts(int8_model, [Part(ids[:, :12], torch.arange(12).expand(3, 12), cache)])
+        for position in range(12, 16):
+            out += forward_parts(int8_model, [Part(ids[:, position:position + 1], torch.full((3, 1), position), cache)])
+        return torch.stack(out)
+
+    try:
+        compiled, script = logits(True), logits(False)
+    finally:
+        logits(True)
+    # int8 rounds activations, so a last-bit difference may move some by one step: close, not equal
+    assert torch.nn.functional.cosine_similarity(compiled, script, dim=-1).min() > 0.999
+    top2 = script.topk(2, dim=-1).values
+    clear = top2[..., 0] - top2[..., 1] > 0.5  # where the scripted layer's choice is not a near tie
+    assert clear.sum() >= 5
+    assert torch.equal(compiled.argmax(-1)[clear], script.argmax(-1)[clear])
+
+
+def test_the_setting_s_modes() -> None:
+    assert native.load("off") is False
+    assert native.load("on") is True  # built here (the module's skip condition)
+    with pytest.raises(ValueError, match="WORKER_NATIVE"):
+        native.load("maybe")
+    with pytest.raises(SettingsError, match="WORKER_NATIVE"):
+        Settings(worker_native="yes").check()
+
+
+def test_a_failed_build_falls_back_or_stops_the_worker(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    from torch.utils import cpp_extension
+
+    def no_compiler(**kwargs: object) -> None:
+        raise RuntimeError("Error building extension 'llmserve_native'\nc++: not found")
+
+    monkeypatch.setattr(native, "_build", None)
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    assert native.load("auto") is False
+    assert "c++: not found" in caplog.records[-1].error
+    with pytest.raises(native.NativeError, match=r"did not build: RuntimeError: c\+\+: not found"):
+        native.load("on")

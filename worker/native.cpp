@@ -1,0 +1,255 @@
+// The int8 Llama layer's glue in compiled loops (worker/native.py builds this file, worker/quant.py calls it).
+//
+// Around fbgemm's four int8 products, a layer of the TorchScript path (worker/scripted.py) makes a few dozen
+// small ATen calls, each with its dispatch, allocation and checks, and one flash-attention call per row of
+// the batch. Here the layer makes three calls, with the products inside:
+//
+// - int8_linear: the row scale, the division by it, fbgemm's product and the rescale, with the same float
+//   operations in the same order as worker/scripted.py's: the same bits (tested).
+// - decode_attention: one query per row over that row's own keys (a ragged cache's), each row computed
+//   alone, so that its result does not depend on its batch; a long row goes to ATen's flash kernel.
+// - mlp_residual: o_proj and its residual, the MLP with down_proj's input rotated by a fast Walsh-Hadamard
+//   transform (the block-diagonal Sylvester matrix of worker/rotation.py, without the matrix product).
+//
+// Compiled with -ffp-contract=off: a fused multiply-add would round differently from ATen's separate ones.
+
+#include <ATen/ATen.h>
+#include <ATen/native/quantized/PackedParams.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using Packed = c10::intrusive_ptr<LinearPackedParamsBase>;
+
+constexpr double kActScale = 1.0 / 127;  // worker/scripted.py's ACT_MAX and ACT_ZERO_POINT
+constexpr int64_t kActZeroPoint = 128;
+constexpr float kFloor = 1e-12f;  // worker/scripted.py's EPS
+constexpr int64_t kLongRow = 256;  // keys beyond which a row's attention is ATen's (threaded, faster there)
+
+// exp(x) for x in float range: 2^n times a polynomial on [-ln2/2, ln2/2] (Cephes' coefficients), a
+// couple of ulps from the exact value; plain arithmetic, so that loops over it vectorise.
+inline float exp_poly(float x) {
+  x = std::min(88.0f, std::max(-87.0f, x));
+  float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// Each row of x [rows, k] divided by its largest magnitude (floored), into `scaled`; returns the row maxima.
+__attribute__((target_clones("avx2", "default")))
+void scale_rows(const float* x, float* scaled, float* rowmax, int64_t rows, int64_t k) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* in = x + r * k;
+    float m = 0.0f;
+#pragma omp simd reduction(max : m)
+    for (int64_t i = 0; i < k; ++i) m = std::max(m, std::fabs(in[i]));
+    m = std::max(m, kFloor);
+    rowmax[r] = m;
+    float* out = scaled + r * k;
+#pragma omp simd
+    for (int64_t i = 0; i < k; ++i) out[i] = in[i] / m;
+  }
+}
+
+at::Tensor int8_linear(const at::Tensor& input, const Packed& packed, const std::optional<at::Tensor>& bias,
+                       std::optional<double> norm_eps) {
+  TORCH_CHECK(input.scalar_type() == at::kFloat, "llmserve::int8_linear takes float32");
+  at::Tensor x = input.contiguous();
+  const int64_t k = x.size(-1), rows = x.numel() / k;
+  at::Tensor scaled = at::empty_like(x);
+  std::vector<float> factor(rows);
+  scale_rows(x.data_ptr<float>(), scaled.data_ptr<float>(), factor.data(), rows, k);
+  at::Tensor out = packed->apply_with_input_q_dq_qweight_dq_output_fp32(scaled, kActScale, kActZeroPoint);
+  if (norm_eps) {
+    // RMSNorm's factor by the very ATen calls of worker/scripted.py (its sum's order is ATen's), then the
+    // same elementwise steps: + eps, 1 / sqrt, * row max.
+    at::Tensor mean = x.pow(2).mean(-1, true).contiguous();
+    const float* m = mean.data_ptr<float>();
+    const float eps = static_cast<float>(*norm_eps);
+    for (int64_t r = 0; r < rows; ++r) factor[r] = factor[r] * (1.0f / std::sqrt(m[r] + eps));
+  }
+  const int64_t n = out.size(-1);
+  float* o = out.data_ptr<float>();
+  const at::Tensor bias_values = bias ? bias->contiguous() : at::Tensor();
+  const float* b = bias ? bias_values.data_ptr<float>() : nullptr;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = o + r * n;
+    const float f = factor[r];
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) row[i] = row[i] * f;
+    if (b) {
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) row[i] = row[i] + b[i];
+    }
+  }
+  return out;
+}
+
+// The query heads sharing one key-value head (`group` of them) of one row over its n keys. Each key and value
+// is read once for the whole group. DIM > 0: the head size known at compile time (the dot products unroll
+// into whole vectors); 0: read from `runtime_dim`. `scores`: room for group * n floats.
+template <int64_t DIM>
+__attribute__((target_clones("avx2", "default")))
+void attend_group(const float* q, int64_t q_head_stride, int64_t group, const float* keys, const float* values,
+                  int64_t token_stride, int64_t n, int64_t runtime_dim, float scale, float* out,
+                  int64_t out_head_stride, float* scores) {
+  const int64_t dim = DIM > 0 ? DIM : runtime_dim;
+  for (int64_t j = 0; j < n; ++j) {
+    const float* key = keys + j * token_stride;
+    for (int64_t g = 0; g < group; ++g) {
+      const float* query = q + g * q_head_stride;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < dim; ++d) dot += query[d] * key[d];
+      scores[g * n + j] = dot * scale;
+    }
+  }
+  std::vector<float> totals(group);
+  for (int64_t g = 0; g < group; ++g) {
+    float* row = scores + g * n;
+    float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+    for (int64_t j = 0; j < n; ++j) top = std::max(top, row[j]);
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < n; ++j) {
+      row[j] = exp_poly(row[j] - top);
+      total += row[j];
+    }
+    totals[g] = total;
+    std::fill(out + g * out_head_stride, out + g * out_head_stride + dim, 0.0f);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const float* value = values + j * token_stride;
+    for (int64_t g = 0; g < group; ++g) {
+      float* result = out + g * out_head_stride;
+      const float p = scores[g * n + j];
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) result[d] += p * value[d];
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* result = out + g * out_head_stride;
+    const float inverse = 1.0f / totals[g];
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) result[d] *= inverse;
+  }
+}
+
+// query [rows, q_heads, 1, dim] (any strides, dim contiguous); keys[r], values[r] [1, kv_heads, n_r, dim]
+// with dim contiguous (a ragged cache's views). Returns [rows, 1, q_heads, dim], as worker/scripted.py's
+// attend_rows does.
+at::Tensor decode_attention(const at::Tensor& query, at::TensorList keys, at::TensorList values, double scaling) {
+  const int64_t rows = query.size(0), q_heads = query.size(1), dim = query.size(3);
+  TORCH_CHECK(query.size(2) == 1 && query.scalar_type() == at::kFloat,
+              "llmserve::decode_attention takes one float32 query per row");
+  TORCH_CHECK(static_cast<int64_t>(keys.size()) == rows && static_cast<int64_t>(values.size()) == rows,
+              "llmserve::decode_attention needs each row's keys and values");
+  const int64_t kv_heads = keys[0].size(1), group = q_heads / kv_heads;
+  at::Tensor out = at::empty({rows, 1, q_heads, dim}, query.options());
+  for (const auto& key : keys) {
+    TORCH_CHECK(key.stride(3) == 1 && key.stride(2) == dim && key.scalar_type() == at::kFloat,
+                "llmserve::decode_attention needs keys laid out token after token");
+  }
+  for (const auto& value : values) {
+    TORCH_CHECK(value.stride(3) == 1 && value.stride(2) == dim && value.scalar_type() == at::kFloat,
+                "llmserve::decode_attention needs values laid out token after token");
+  }
+  const at::Tensor q_tensor = query.stride(3) == 1 ? query : query.contiguous();
+  const float* q = q_tensor.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const float scale = static_cast<float>(scaling);
+  std::vector<float> scores;
+  auto attend = dim == 64 ? attend_group<64> : dim == 128 ? attend_group<128> : attend_group<0>;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t n = keys[r].size(2);
+    if (n > kLongRow) {  // ATen's flash kernel, on all threads; a row's kernel depends on its own length only
+      at::Tensor alone = at::scaled_dot_product_attention(q_tensor.narrow(0, r, 1), keys[r], values[r], {}, 0.0,
+                                                          false, scaling, true);
+      out.narrow(0, r, 1).copy_(alone.transpose(1, 2));
+      continue;
+    }
+    scores.resize(group * n);
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      attend(q + r * q_tensor.stride(0) + h * group * q_tensor.stride(1), q_tensor.stride(1), group,
+             keys[r].data_ptr<float>() + h * keys[r].stride(1), values[r].data_ptr<float>() + h * values[r].stride(1),
+             dim, n, dim, scale, o + (r * q_heads + h * group) * dim, dim, scores.data());
+    }
+  }
+  return out;
+}
+
+// x [rows, 2 * width]: silu(first half) * second half, then, with `block`, each run of `block` channels
+// times the normalised Sylvester-Hadamard matrix of that order (a power of 2): butterflies, then 1/sqrt.
+__attribute__((target_clones("avx2", "default")))
+void silu_mul_rotate(const float* x, float* out, int64_t rows, int64_t width, int64_t block) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* gate = x + r * 2 * width;
+    const float* up = gate + width;
+    float* mixed = out + r * width;
+#pragma omp simd
+    for (int64_t i = 0; i < width; ++i) mixed[i] = gate[i] / (1.0f + exp_poly(-gate[i])) * up[i];
+    if (block == 0) continue;
+    const float norm = 1.0f / std::sqrt(static_cast<float>(block));
+    for (int64_t start = 0; start < width; start += block) {
+      float* v = mixed + start;
+      for (int64_t half = 1; half < block; half *= 2) {
+        for (int64_t i = 0; i < block; i += 2 * half) {
+#pragma omp simd
+          for (int64_t j = i; j < i + half; ++j) {
+            const float a = v[j], b = v[j + half];
+            v[j] = a + b;
+            v[j + half] = a - b;
+          }
+        }
+      }
+#pragma omp simd
+      for (int64_t i = 0; i < block; ++i) v[i] *= norm;
+    }
+  }
+}
+
+// The rest of a layer after attention, for a model whose norms have a gain of 1 (worker/rotation.py):
+// x + o_proj(attended), then + down_proj(rotated silu(gate) * up) of the normed sum.
+at::Tensor mlp_residual(const at::Tensor& x, const at::Tensor& attended, const Packed& o_proj, const Packed& gate_up,
+                        const Packed& down_proj, double eps, int64_t block) {
+  at::Tensor h = x + int8_linear(attended, o_proj, std::nullopt, std::nullopt);
+  at::Tensor gu = int8_linear(h, gate_up, std::nullopt, eps);
+  const int64_t width = gu.size(-1) / 2, rows = gu.numel() / gu.size(-1);
+  TORCH_CHECK(block == 0 || ((block & (block - 1)) == 0 && width % block == 0),
+              "llmserve::mlp_residual rotates blocks of a power of 2 that divides the width");
+  at::Tensor mixed = at::empty({rows, width}, gu.options());
+  silu_mul_rotate(gu.data_ptr<float>(), mixed.data_ptr<float>(), rows, width, block);
+  return h.add_(int8_linear(mixed, down_proj, std::nullopt, std::nullopt));
+}
+
+}  // namespace
+
+// Catch-all kernels: inference only, CPU tensors (the int8 path's).
+TORCH_LIBRARY(llmserve, m) {
+  m.def("int8_linear(Tensor x, __torch__.torch.classes.quantized.LinearPackedParamsBase packed, Tensor? bias, "
+        "float? norm_eps) -> Tensor",
+        &int8_linear);
+  m.def("decode_attention(Tensor query, Tensor[] keys, Tensor[] values, float scaling) -> Tensor", &decode_attention);
+  m.def("mlp_residual(Tensor x, Tensor attended, __torch__.torch.classes.quantized.LinearPackedParamsBase o_proj, "
+        "__torch__.torch.classes.quantized.LinearPackedParamsBase gate_up, "
+        "__torch__.torch.classes.quantized.LinearPackedParamsBase down_proj, float eps, int block) -> Tensor",
+        &mlp_residual);
+}

@@ -1,0 +1,62 @@
+"""The int8 layer's compiled kernels (worker/native.cpp), registered as torch.ops.llmserve.
+
+Built on a worker's first start by torch's extension builder (a C++ compiler and ninja), into torch's cache
+(~/.cache/torch_extensions, or TORCH_EXTENSIONS_DIR), and loaded from there afterwards. `WORKER_NATIVE=auto`
+(the default) uses them when they build and otherwise keeps the TorchScript layer (worker/scripted.py), with
+a warning that says why (the worker image has no compiler); `on` stops the worker at start when they do not
+build; `off` never builds them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("native.cpp")
+NAME = "llmserve_native"
+FLAGS = ["-O3", "-fopenmp-simd", "-ffp-contract=off"]  # no fused multiply-add: ATen's rounding (native.cpp)
+MODES = ("auto", "on", "off")
+
+log = logging.getLogger("worker")
+
+
+class NativeError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Build:
+    loaded: bool
+    error: str = ""
+
+
+_build: _Build | None = None  # once per process
+
+
+def load(mode: str = "auto") -> bool:
+    """Whether torch.ops.llmserve's kernels are there, building or loading them on the first call."""
+    global _build
+    if mode not in MODES:
+        raise ValueError(f"WORKER_NATIVE must be auto, on or off, not {mode!r}")
+    if mode == "off":
+        return False
+    if _build is None:
+        _build = _compile()
+        if not _build.loaded:
+            log.warning("native kernels unavailable; the int8 layer runs as TorchScript",
+                        extra={"error": _build.error})
+    if mode == "on" and not _build.loaded:
+        raise NativeError(f"WORKER_NATIVE=on, but worker/native.cpp did not build: {_build.error}")
+    return _build.loaded
+
+
+def _compile() -> _Build:
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(name=NAME, sources=[str(SOURCE)], extra_cflags=FLAGS, is_python_module=False)
+    except Exception as error:  # no compiler, no ninja, an unwritable cache: the scripted layer serves
+        lines = str(error).strip().splitlines()
+        return _Build(False, f"{type(error).__name__}: {lines[-1] if lines else ''}")
+    return _Build(True)
