@@ -1,5 +1,6 @@
-"""worker/native.cpp, through worker/native.py: the int8 product gives the TorchScript layer's bits; the decode
-attention and the MLP agree with it to float rounding, and a row's result does not depend on its batch-mates;
+"""worker/native.cpp, through worker/native.py: the int8 product, the rotary heads and the cache writes give the
+TorchScript layer's bits (the product with a norm folded in, to rounding); the decode attention and the MLP
+agree with it to float rounding, and a row's result does not depend on its batch-mates;
 the setting's modes and a failed build behave as documented."""
 
 from __future__ import annotations
@@ -25,16 +26,46 @@ def linear(in_features: int, out_features: int, bias: bool = False) -> Int8Linea
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16])
-def test_the_int8_product_is_the_scripted_one_bit_for_bit(rows: int) -> None:
+def test_the_int8_product_is_the_scripted_one(rows: int) -> None:
     torch.manual_seed(rows)
     x = torch.randn(rows, 576) * torch.logspace(-2, 2, rows)[:, None]
     layer = linear(576, 960, bias=True)
     for bias in (None, layer.bias):
-        for eps in (None, 1e-5):
-            want = scripted.PLAIN["int8_linear"](x, layer.packed, bias, eps)
-            assert torch.equal(ops.int8_linear(x, layer.packed, bias, eps), want)
+        want = scripted.PLAIN["int8_linear"](x, layer.packed, bias, None)
+        assert torch.equal(ops.int8_linear(x, layer.packed, bias, None), want)
+        # RMSNorm folded in: only the row's output scale takes the norm, whose sum of squares is the loop's
+        want = scripted.PLAIN["int8_linear"](x, layer.packed, bias, 1e-5)
+        torch.testing.assert_close(ops.int8_linear(x, layer.packed, bias, 1e-5), want, rtol=2e-6, atol=1e-6)
     want = scripted.int8_linear(x, layer.packed, layer.bias, None)
     assert torch.equal(layer(x.view(1, rows, 576)), want.view(1, rows, -1))  # the lm_head's call, any leading shape
+
+
+@pytest.mark.parametrize("rows,length", [(1, 1), (3, 1), (2, 16)])
+def test_the_rotary_heads_and_the_cache_writes_are_the_scripted_ones_bit_for_bit(rows: int, length: int) -> None:
+    torch.manual_seed(rows * length)
+    qkv = torch.randn(rows * length, 15 * 64)
+    cos, signed_sin = torch.randn(rows, 1, length, 64), torch.randn(rows, 1, length, 64)
+    got = ops.heads(qkv, rows, length, 64, 9, 3, cos, signed_sin)
+    want = scripted.PLAIN["heads"](qkv, rows, length, 64, 9, 3, cos, signed_sin)
+    for have, expected in zip(got, want, strict=True):
+        assert have.shape == expected.shape and torch.equal(have, expected)
+    lengths = [5 * r for r in range(rows)]
+    buffers = {"scripted": [torch.randn(1, 3, 40, 64) for _ in range(rows)]}
+    values = {"scripted": [torch.randn(1, 3, 40, 64) for _ in range(rows)]}
+    buffers["native"] = [b.clone() for b in buffers["scripted"]]
+    values["native"] = [v.clone() for v in values["scripted"]]
+    _, key, value = want  # the value heads: a strided view of qkv, as the layer passes them
+    mine = ops.write_rows(buffers["native"], values["native"], lengths, key, value)
+    theirs = scripted.PLAIN["write_rows"](buffers["scripted"], values["scripted"], lengths, key, value)
+    for side in range(2):
+        for have, expected in zip(mine[side], theirs[side], strict=True):
+            assert torch.equal(have, expected)
+    for have, expected in zip(buffers["native"] + values["native"], buffers["scripted"] + values["scripted"],
+                              strict=True):
+        assert torch.equal(have, expected)  # in place, and nothing else touched
+    assert mine[0][0].data_ptr() == buffers["native"][0].data_ptr()
+    with pytest.raises(RuntimeError, match="no room"):
+        ops.write_rows(buffers["native"], values["native"], [40 - length + 1] * rows, key, value)
 
 
 def keys_and_values(lengths: list[int], room: int = 40) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -99,9 +99,10 @@ class RaggedLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return max(self.rows.lengths, default=0)
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object,
-               **kwargs: object) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Write each row's new tokens after its own; returns each row's keys and values, [1, heads, n, dim]."""
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: dict | None = None,
+               *args: object, **kwargs: object) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Write each row's new tokens after its own; returns each row's keys and values, [1, heads, n, dim].
+        `cache_kwargs` {"native": True}: by worker/native.cpp's write_rows (the same copies, in one call)."""
         rows, added = self.rows, key_states.shape[2]
         if not rows.lengths:  # a fresh cache: one row per batch row
             rows.lengths = [0] * key_states.shape[0]
@@ -115,7 +116,9 @@ class RaggedLayer(DynamicLayer):
         for row, length in enumerate(rows.lengths):
             if length + added > self.key_buffers[row].shape[2]:
                 self._grow(row, length, length + added)
-        written = scripted.write_rows(self.key_buffers, self.value_buffers, rows.lengths, key_states, value_states)
+        native = bool(cache_kwargs and cache_kwargs.get("native"))
+        write = torch.ops.llmserve.write_rows if native else scripted.write_rows
+        written = write(self.key_buffers, self.value_buffers, rows.lengths, key_states, value_states)
         rows.written += 1
         if rows.written == rows.layers:
             rows.lengths, rows.written = [length + added for length in rows.lengths], 0

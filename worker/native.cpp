@@ -4,8 +4,8 @@
 // small ATen calls, each with its dispatch, allocation and checks, and one flash-attention call per row of
 // the batch. Here the layer makes three calls, with the products inside:
 //
-// - int8_linear: the row scale, the division by it, fbgemm's product and the rescale, with the same float
-//   operations in the same order as worker/scripted.py's: the same bits (tested).
+// - int8_linear: the row scale (with RMSNorm's factor when the norm is folded into the product), the
+//   division by it, fbgemm's product and the rescale: without a norm, worker/scripted.py's bits (tested).
 // - decode_attention: one query per row over that row's own keys (a ragged cache's), each row computed
 //   alone, so that its result does not depend on its batch; a long row goes to ATen's flash kernel.
 // - mlp_residual: o_proj and its residual, the MLP with down_proj's input rotated by a fast Walsh-Hadamard
@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -52,22 +53,29 @@ inline float exp_poly(float x) {
   return p * scale;
 }
 
-// Each row of x [rows, k] divided by its largest magnitude (floored), into `scaled`; returns the row maxima.
+// Each row of x [rows, k] divided by its largest magnitude (floored), into `scaled`; the row maxima into
+// `rowmax`, and with `norm_eps` >= 0 each times RMSNorm's factor 1 / sqrt(mean(x^2) + eps) (the norm only
+// scales the row, which its own quantisation scale undoes: worker/scripted.py).
 __attribute__((target_clones("avx2", "default")))
-void scale_rows(const float* x, float* scaled, float* rowmax, int64_t rows, int64_t k) {
+void scale_rows(const float* x, float* scaled, float* rowmax, int64_t rows, int64_t k, float norm_eps) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* in = x + r * k;
-    float m = 0.0f;
-#pragma omp simd reduction(max : m)
-    for (int64_t i = 0; i < k; ++i) m = std::max(m, std::fabs(in[i]));
+    float m = 0.0f, squares = 0.0f;
+#pragma omp simd reduction(max : m) reduction(+ : squares)
+    for (int64_t i = 0; i < k; ++i) {
+      m = std::max(m, std::fabs(in[i]));
+      squares += in[i] * in[i];
+    }
     m = std::max(m, kFloor);
-    rowmax[r] = m;
     float* out = scaled + r * k;
 #pragma omp simd
     for (int64_t i = 0; i < k; ++i) out[i] = in[i] / m;
+    rowmax[r] = norm_eps < 0 ? m : m * (1.0f / std::sqrt(squares / static_cast<float>(k) + norm_eps));
   }
 }
 
+// Without `norm_eps`, the very float operations of worker/scripted.py's int8_linear: its bits (tested). With
+// it, the mean of squares is this loop's sum, whose order differs from ATen's in the last bits.
 at::Tensor int8_linear(const at::Tensor& input, const Packed& packed, const std::optional<at::Tensor>& bias,
                        std::optional<double> norm_eps) {
   TORCH_CHECK(input.scalar_type() == at::kFloat, "llmserve::int8_linear takes float32");
@@ -75,16 +83,9 @@ at::Tensor int8_linear(const at::Tensor& input, const Packed& packed, const std:
   const int64_t k = x.size(-1), rows = x.numel() / k;
   at::Tensor scaled = at::empty_like(x);
   std::vector<float> factor(rows);
-  scale_rows(x.data_ptr<float>(), scaled.data_ptr<float>(), factor.data(), rows, k);
+  scale_rows(x.data_ptr<float>(), scaled.data_ptr<float>(), factor.data(), rows, k,
+             norm_eps ? static_cast<float>(*norm_eps) : -1.0f);
   at::Tensor out = packed->apply_with_input_q_dq_qweight_dq_output_fp32(scaled, kActScale, kActZeroPoint);
-  if (norm_eps) {
-    // RMSNorm's factor by the very ATen calls of worker/scripted.py (its sum's order is ATen's), then the
-    // same elementwise steps: + eps, 1 / sqrt, * row max.
-    at::Tensor mean = x.pow(2).mean(-1, true).contiguous();
-    const float* m = mean.data_ptr<float>();
-    const float eps = static_cast<float>(*norm_eps);
-    for (int64_t r = 0; r < rows; ++r) factor[r] = factor[r] * (1.0f / std::sqrt(m[r] + eps));
-  }
   const int64_t n = out.size(-1);
   float* o = out.data_ptr<float>();
   const at::Tensor bias_values = bias ? bias->contiguous() : at::Tensor();
@@ -196,6 +197,83 @@ at::Tensor decode_attention(const at::Tensor& query, at::TensorList keys, at::Te
   return out;
 }
 
+// The query, key and value heads of a part's fused projections qkv [rows * length, (q + 2 kv) * dim]: query
+// and key heads rotated as worker/scripted.py's heads does (x * cos + roll(x, dim / 2) * signed_sin, the same
+// products and sum: the same bits), into [rows, heads, length, dim] tensors; values a view of qkv.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> heads(const at::Tensor& qkv, int64_t rows, int64_t length,
+                                                     int64_t dim, int64_t q_heads, int64_t kv_heads,
+                                                     const at::Tensor& cos, const at::Tensor& signed_sin) {
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.is_contiguous() && dim % 2 == 0,
+              "llmserve::heads takes contiguous float32 projections");
+  const at::Tensor c = cos.expand({rows, 1, length, dim}).contiguous();
+  const at::Tensor s = signed_sin.expand({rows, 1, length, dim}).contiguous();
+  const int64_t rotated = q_heads + kv_heads, width = (rotated + kv_heads) * dim, half = dim / 2;
+  at::Tensor query = at::empty({rows, q_heads, length, dim}, qkv.options());
+  at::Tensor key = at::empty({rows, kv_heads, length, dim}, qkv.options());
+  const float *x = qkv.data_ptr<float>(), *cp = c.data_ptr<float>(), *sp = s.data_ptr<float>();
+  float *qp = query.data_ptr<float>(), *kp = key.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t t = 0; t < length; ++t) {
+      const float* token = x + (r * length + t) * width;
+      const float* ct = cp + (r * length + t) * dim;
+      const float* st = sp + (r * length + t) * dim;
+      for (int64_t h = 0; h < rotated; ++h) {
+        const float* in = token + h * dim;
+        float* out = h < q_heads ? qp + ((r * q_heads + h) * length + t) * dim
+                                 : kp + ((r * kv_heads + h - q_heads) * length + t) * dim;
+        for (int64_t i = 0; i < dim; ++i) {
+          const float turned = in[i < half ? i + half : i - half];
+          out[i] = in[i] * ct[i] + turned * st[i];
+        }
+      }
+    }
+  }
+  at::Tensor value = qkv.view({rows, length, -1, dim}).transpose(1, 2).narrow(1, rotated, kv_heads);
+  return {query, key, value};
+}
+
+// Row r's new keys and values ([rows, kv_heads, added, dim], any strides with dim contiguous) written after
+// its lengths[r] tokens into its buffers ([1, kv_heads, room, dim], contiguous, with room: the caller grows
+// them); returns each row's keys and values so far, views of its buffers (worker/scripted.py's write_rows).
+std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> write_rows(at::TensorList key_buffers,
+                                                                        at::TensorList value_buffers,
+                                                                        at::IntArrayRef lengths,
+                                                                        const at::Tensor& keys,
+                                                                        const at::Tensor& values) {
+  const int64_t rows = static_cast<int64_t>(lengths.size()), heads = keys.size(1), added = keys.size(2),
+                dim = keys.size(3);
+  TORCH_CHECK(static_cast<int64_t>(key_buffers.size()) == rows && static_cast<int64_t>(value_buffers.size()) == rows &&
+                  keys.size(0) == rows && values.sizes() == keys.sizes(),
+              "llmserve::write_rows needs a buffer and new keys and values per row");
+  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1 && keys.scalar_type() == at::kFloat &&
+                  values.scalar_type() == at::kFloat,
+              "llmserve::write_rows takes float32 keys and values with each head's numbers side by side");
+  std::vector<at::Tensor> row_keys, row_values;
+  row_keys.reserve(rows);
+  row_values.reserve(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t start = lengths[r];
+    for (const auto& [buffers, source, out] : {std::tie(key_buffers, keys, row_keys),
+                                               std::tie(value_buffers, values, row_values)}) {
+      const at::Tensor& buffer = buffers[r];
+      TORCH_CHECK(buffer.is_contiguous() && buffer.size(1) == heads && buffer.size(3) == dim &&
+                      start + added <= buffer.size(2) && buffer.scalar_type() == at::kFloat,
+                  "llmserve::write_rows: row ", r, "'s buffer has no room for its new tokens");
+      const int64_t room = buffer.size(2);
+      float* base = buffer.data_ptr<float>();
+      const float* from = source.data_ptr<float>();
+      for (int64_t h = 0; h < heads; ++h) {
+        for (int64_t t = 0; t < added; ++t) {
+          std::memcpy(base + (h * room + start + t) * dim,
+                      from + r * source.stride(0) + h * source.stride(1) + t * source.stride(2), dim * sizeof(float));
+        }
+      }
+      out.push_back(buffer.narrow(2, 0, start + added));
+    }
+  }
+  return {row_keys, row_values};
+}
+
 // x [rows, 2 * width]: silu(first half) * second half, then, with `block`, each run of `block` channels
 // times the normalised Sylvester-Hadamard matrix of that order (a power of 2): butterflies, then 1/sqrt.
 __attribute__((target_clones("avx2", "default")))
@@ -247,6 +325,12 @@ TORCH_LIBRARY(llmserve, m) {
   m.def("int8_linear(Tensor x, __torch__.torch.classes.quantized.LinearPackedParamsBase packed, Tensor? bias, "
         "float? norm_eps) -> Tensor",
         &int8_linear);
+  m.def("heads(Tensor qkv, int rows, int length, int dim, int q_heads, int kv_heads, Tensor cos, Tensor signed_sin) "
+        "-> (Tensor, Tensor, Tensor)",
+        &heads);
+  m.def("write_rows(Tensor[] key_buffers, Tensor[] value_buffers, int[] lengths, Tensor keys, Tensor values) "
+        "-> (Tensor[], Tensor[])",
+        &write_rows);
   m.def("decode_attention(Tensor query, Tensor[] keys, Tensor[] values, float scaling) -> Tensor", &decode_attention);
   m.def("mlp_residual(Tensor x, Tensor attended, __torch__.torch.classes.quantized.LinearPackedParamsBase o_proj, "
         "__torch__.torch.classes.quantized.LinearPackedParamsBase gate_up, "

@@ -180,10 +180,10 @@ class Int8LlamaLayer(nn.Module):
     def _attend(self, qkv: torch.Tensor, rows: int, length: int, cos: torch.Tensor, signed_sin: torch.Tensor,
                 mask: torch.Tensor | None, cache: Cache | None) -> torch.Tensor:
         """Attention of one part, from its fused projections ([rows * length, (q + 2 kv heads) * head_dim])."""
-        query, key, value = scripted.heads(qkv, rows, length, self.head_dim, self.q_heads, self.kv_heads, cos,
-                                           signed_sin)
+        heads = torch.ops.llmserve.heads if self.native else scripted.heads
+        query, key, value = heads(qkv, rows, length, self.head_dim, self.q_heads, self.kv_heads, cos, signed_sin)
         if cache is not None:
-            key, value = cache.update(key, value, self.layer_idx)
+            key, value = cache.update(key, value, self.layer_idx, {"native": self.native})
         return rowwise_sdpa(self, query, key, value, mask, scaling=self.scaling)[0]
 
 
