@@ -57,6 +57,7 @@ def _compile() -> _Build:
 
         cpp_extension.load(name=NAME, sources=[str(SOURCE)], extra_cflags=FLAGS, is_python_module=False)
     except Exception as error:  # no compiler, no ninja, an unwritable cache: the scripted layer serves
-        lines = str(error).strip().splitlines()
-        return _Build(False, f"{type(error).__name__}: {lines[-1] if lines else ''}")
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [""]
+        causes = [line for line in lines if "not found" in line or "error:" in line]  # the compiler's own words
+        return _Build(False, f"{type(error).__name__}: {(causes or lines)[-1][:300]}")
     return _Build(True)

@@ -67,7 +67,7 @@ class Int8Linear(nn.Module):
         biases = [torch.zeros(lin.out_features) if lin.bias is None else lin.bias.detach().float() for lin in linears]
         has_bias = any(lin.bias is not None for lin in linears)
         self.bias = nn.Parameter(torch.cat(biases), requires_grad=False) if has_bias else None
-        self.native = native  # worker/native.cpp's call: the same bits, less overhead
+        self.native = native  # worker/native.cpp's call for float32: the same bits, less overhead
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native and x.dtype == torch.float32:
@@ -143,7 +143,9 @@ class Int8LlamaLayer(nn.Module):
         # Gains of 1 (after worker/rotation.py): None, and each norm is folded into the int8 call reading it.
         folded = all(bool((n.weight == 1).all()) for n in norms)
         self.gains = (None, None) if folded else tuple(n.weight for n in norms)
-        self.native = native and folded and (down_rotation is None or down_rotation.sylvester)
+        # The kernels take float32 (the CPU default; WORKER_DTYPE=bfloat16 keeps the scripted layer).
+        self.native = (native and folded and norms[0].weight.dtype == torch.float32
+                       and (down_rotation is None or down_rotation.sylvester))
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, cache: Cache | None = None,
@@ -169,12 +171,12 @@ class Int8LlamaLayer(nn.Module):
                          in zip(_split(qkv, sizes), shapes, rope, masks, caches, strict=True)])
         rotation = None if self.down_rotation is None else self.down_rotation.block
         if self.native:
-            block = 0 if rotation is None else rotation.shape[0]
             x = torch.ops.llmserve.mlp_residual(x, attended, self.o_proj.packed, self.gate_up.packed,
-                                                self.down_proj.packed, self.norm_eps, block)
-            return [part.view(rows, length, -1) for part, (rows, length) in zip(_split(x, sizes), shapes, strict=True)]
-        x = scripted.mlp_residual(x, attended, self.o_proj.packed, self.gate_up.packed, self.down_proj.packed,
-                                  self.gains[1], self.norm_eps, rotation)
+                                                self.down_proj.packed, self.norm_eps,
+                                                0 if rotation is None else rotation.shape[0])
+        else:
+            x = scripted.mlp_residual(x, attended, self.o_proj.packed, self.gate_up.packed, self.down_proj.packed,
+                                      self.gains[1], self.norm_eps, rotation)
         return [part.view(rows, length, -1) for part, (rows, length) in zip(_split(x, sizes), shapes, strict=True)]
 
     def _attend(self, qkv: torch.Tensor, rows: int, length: int, cos: torch.Tensor, signed_sin: torch.Tensor,
