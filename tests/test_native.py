@@ -97,8 +97,11 @@ def test_decode_attention_refuses_what_it_cannot_read() -> None:
     keys, values = keys_and_values([4, 4])
     with pytest.raises(RuntimeError, match="each row's keys and values"):
         ops.decode_attention(query, keys[:1], values[:1], 0.125)
+    with pytest.raises(RuntimeError, match="do not match the query"):
+        ops.decode_attention(query, [keys[0], keys[1][:, :2]], values, 0.125)
     with pytest.raises(RuntimeError, match="token after token"):
-        ops.decode_attention(query, [k.transpose(2, 3) for k in keys], values, 0.125)
+        heads_inner = [torch.randn(1, 4, 3, 64).transpose(1, 2) for _ in keys]  # tokens not adjacent
+        ops.decode_attention(query, heads_inner, values, 0.125)
     with pytest.raises(RuntimeError, match="one float32 query"):
         ops.decode_attention(torch.randn(2, 9, 2, 64), keys, values, 0.125)
 

@@ -161,17 +161,19 @@ at::Tensor decode_attention(const at::Tensor& query, at::TensorList keys, at::Te
   const int64_t rows = query.size(0), q_heads = query.size(1), dim = query.size(3);
   TORCH_CHECK(query.size(2) == 1 && query.scalar_type() == at::kFloat,
               "llmserve::decode_attention takes one float32 query per row");
-  TORCH_CHECK(static_cast<int64_t>(keys.size()) == rows && static_cast<int64_t>(values.size()) == rows,
+  TORCH_CHECK(rows > 0 && static_cast<int64_t>(keys.size()) == rows && static_cast<int64_t>(values.size()) == rows,
               "llmserve::decode_attention needs each row's keys and values");
   const int64_t kv_heads = keys[0].size(1), group = q_heads / kv_heads;
+  TORCH_CHECK(kv_heads > 0 && q_heads % kv_heads == 0, "llmserve::decode_attention: query heads in whole groups");
   at::Tensor out = at::empty({rows, 1, q_heads, dim}, query.options());
-  for (const auto& key : keys) {
-    TORCH_CHECK(key.stride(3) == 1 && key.stride(2) == dim && key.scalar_type() == at::kFloat,
-                "llmserve::decode_attention needs keys laid out token after token");
-  }
-  for (const auto& value : values) {
-    TORCH_CHECK(value.stride(3) == 1 && value.stride(2) == dim && value.scalar_type() == at::kFloat,
-                "llmserve::decode_attention needs values laid out token after token");
+  for (int64_t r = 0; r < rows; ++r) {
+    for (const auto& tensor : {keys[r], values[r]}) {
+      TORCH_CHECK(tensor.dim() == 4 && tensor.size(0) == 1 && tensor.size(1) == kv_heads && tensor.size(3) == dim &&
+                      tensor.size(2) == keys[r].size(2) && tensor.size(2) > 0,
+                  "llmserve::decode_attention: row ", r, "'s keys and values do not match the query");
+      TORCH_CHECK(tensor.stride(3) == 1 && tensor.stride(2) == dim && tensor.scalar_type() == at::kFloat,
+                  "llmserve::decode_attention needs keys and values laid out token after token");
+    }
   }
   const at::Tensor q_tensor = query.stride(3) == 1 ? query : query.contiguous();
   const float* q = q_tensor.data_ptr<float>();
@@ -203,8 +205,9 @@ at::Tensor decode_attention(const at::Tensor& query, at::TensorList keys, at::Te
 std::tuple<at::Tensor, at::Tensor, at::Tensor> heads(const at::Tensor& qkv, int64_t rows, int64_t length,
                                                      int64_t dim, int64_t q_heads, int64_t kv_heads,
                                                      const at::Tensor& cos, const at::Tensor& signed_sin) {
-  TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.is_contiguous() && dim % 2 == 0,
-              "llmserve::heads takes contiguous float32 projections");
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.is_contiguous() && dim % 2 == 0 &&
+                  qkv.numel() == rows * length * (q_heads + 2 * kv_heads) * dim,
+              "llmserve::heads takes the contiguous float32 projections of rows * length tokens");
   const at::Tensor c = cos.expand({rows, 1, length, dim}).contiguous();
   const at::Tensor s = signed_sin.expand({rows, 1, length, dim}).contiguous();
   const int64_t rotated = q_heads + kv_heads, width = (rotated + kv_heads) * dim, half = dim / 2;
