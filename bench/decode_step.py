@@ -71,6 +71,41 @@ def prefilled(model: torch.nn.Module, rows: int, context: int) -> DynamicCache:
     return cache
 
 
+@torch.inference_mode()
+def take_turns(model: torch.nn.Module, rows: int, context: int, steps: int,
+               switch: Callable[[bool], None]) -> tuple[dict[bool, list[float]], list[dict[bool, torch.Tensor]]]:
+    """The decode step run both ways (`switch(True)`, `switch(False)`), taking turns step by step over one cache
+    of `rows` rows (each step's token taken back out, so that both see the same context), who goes first
+    alternating; returns each way's step seconds (past two warm-up steps) and each step's pair of logits.
+    Leaves the model switched to True."""
+    cache = prefilled(model, rows, context)
+    seconds: dict[bool, list[float]] = {True: [], False: []}
+    pairs = []
+    for step in range(steps + 2):
+        tokens = torch.randint(100, 1000, (rows, 1))
+        logits = {}
+        for way in (step % 2 == 0, step % 2 == 1):
+            switch(way)
+            start = time.perf_counter()
+            logits[way] = forward_parts(model, [Part(tokens, torch.full((rows, 1), context), cache)])[0]
+            if step >= 2:
+                seconds[way].append(time.perf_counter() - start)
+            held = cache.layers[0].rows
+            held.lengths = [n - 1 for n in held.lengths]  # the token out again
+        pairs.append(logits)
+    switch(True)
+    return seconds, pairs
+
+
+def write_levels(args: argparse.Namespace, levels: list[dict]) -> None:
+    """A decode bench's results, with its setup, to args.out."""
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"setup": {"context": args.context, "steps": args.steps, "threads": args.threads,
+                                              "cpu_capability": torch.backends.cpu.get_cpu_capability()},
+                                    "levels": levels}, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
 def parse_and_load(description: str, steps: int, out: Path) -> tuple[argparse.Namespace, torch.nn.Module]:
     """The decode benches' arguments, and the default model loaded with their thread count."""
     parser = argparse.ArgumentParser(description=description)

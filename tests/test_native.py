@@ -14,7 +14,7 @@ from worker import native, scripted
 from worker.cache import new_cache
 from worker.forward import Part, forward_parts
 from worker.model import load_model
-from worker.quant import Int8Linear, Int8LlamaLayer
+from worker.quant import Int8Linear, Int8LlamaLayer, use_native
 from worker.rotation import InputRotation
 
 pytestmark = pytest.mark.skipif(not native.load("auto"), reason="worker/native.cpp does not build here")
@@ -141,9 +141,7 @@ def test_the_default_model_runs_the_kernels_and_agrees_with_the_scripted_layer(i
 
     @torch.inference_mode()
     def logits(flag: bool) -> torch.Tensor:
-        for module in int8_model.modules():
-            if isinstance(module, Int8Linear | Int8LlamaLayer):
-                module.native = flag
+        use_native(int8_model, flag)
         cache = new_cache(int8_model.config, ragged=True)
         out = forward_parts(int8_model, [Part(ids[:, :12], torch.arange(12).expand(3, 12), cache)])
         for position in range(12, 16):

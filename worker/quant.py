@@ -220,6 +220,14 @@ def takes_rows_alone(model: nn.Module) -> bool:
     return bool(layers) and all(isinstance(layer, Int8LlamaLayer) for layer in layers)
 
 
+def use_native(model: nn.Module, on: bool) -> None:
+    """Switch `model`'s int8 layers to worker/native.cpp's kernels or back to the scripted ones (benches and
+    tests compare the two in one process; the kernels must be loaded, worker/native.py)."""
+    for module in model.modules():
+        if isinstance(module, Int8Linear | Int8LlamaLayer):
+            module.native = on
+
+
 def quantize_int8(model: nn.Module, rotate: bool = True, native: bool = False) -> int:
     """Replace every `nn.Linear` of `model` (for a causal LM: the decoder layers' projections and the
     `lm_head`) by an `Int8Linear`, in place, and switch its attention to `rowwise_sdpa`; returns how many
