@@ -97,23 +97,28 @@ def take_turns(model: torch.nn.Module, rows: int, context: int, steps: int,
     return seconds, pairs
 
 
-def write_levels(args: argparse.Namespace, levels: list[dict]) -> None:
-    """A decode bench's results, with its setup, to args.out."""
+def write_levels(args: argparse.Namespace, levels: list[dict], **extra: object) -> None:
+    """A decode bench's results, with its setup (and `extra` results, where not None), to args.out."""
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"setup": {"context": args.context, "steps": args.steps, "threads": args.threads,
                                               "cpu_capability": torch.backends.cpu.get_cpu_capability()},
+                                    **{k: v for k, v in extra.items() if v is not None},
                                     "levels": levels}, indent=2) + "\n")
     print(f"wrote {args.out}")
 
 
-def parse_and_load(description: str, steps: int, out: Path) -> tuple[argparse.Namespace, torch.nn.Module]:
-    """The decode benches' arguments, and the default model loaded with their thread count."""
+def parse_and_load(description: str, steps: int, out: Path,
+                   calls: bool = False) -> tuple[argparse.Namespace, torch.nn.Module]:
+    """The decode benches' arguments (with `calls`, a --calls flag too), and the default model loaded with their
+    thread count."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32])
     parser.add_argument("--context", type=int, default=64, help="tokens already in each row's cache")
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=out)
+    if calls:
+        parser.add_argument("--calls", action="store_true", help="first, what one kernel call costs beyond its work")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     return args, load_model(Settings(worker_threads=args.threads)).model
@@ -135,7 +140,13 @@ def measure(model: torch.nn.Module, rows: int, context: int, steps: int) -> dict
         step()
         if index >= 3:
             step_times.append(time.perf_counter() - start)
-    step_ms, kernel_ms = statistics.median(step_times) * 1e3, kernel_seconds(step, 10) * 1e3
+    # The same fbgemm kernels, timed in the scripted layer: worker/native.cpp calls them past the profiler.
+    native = model.model.layers[0].native
+    quant.use_native(model, False)
+    try:
+        step_ms, kernel_ms = statistics.median(step_times) * 1e3, kernel_seconds(step, 10) * 1e3
+    finally:
+        quant.use_native(model, native)
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     held = context + 3 + steps // 2  # the tokens each row's cache holds at the median step

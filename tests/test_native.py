@@ -5,6 +5,8 @@ the setting's modes and a failed build behave as documented."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from torch import nn
@@ -32,12 +34,28 @@ def test_the_int8_product_is_the_scripted_one(rows: int) -> None:
     layer = linear(576, 960, bias=True)
     for bias in (None, layer.bias):
         want = scripted.PLAIN["int8_linear"](x, layer.packed, bias, None)
-        assert torch.equal(ops.int8_linear(x, layer.packed, bias, None), want)
+        assert torch.equal(ops.int8_linear(x, layer.weight, bias, None), want)
         # RMSNorm folded in: only the row's output scale takes the norm, whose sum of squares is the loop's
         want = scripted.PLAIN["int8_linear"](x, layer.packed, bias, 1e-5)
-        torch.testing.assert_close(ops.int8_linear(x, layer.packed, bias, 1e-5), want, rtol=2e-6, atol=1e-6)
+        torch.testing.assert_close(ops.int8_linear(x, layer.weight, bias, 1e-5), want, rtol=2e-6, atol=1e-6)
     want = scripted.int8_linear(x, layer.packed, layer.bias, None)
     assert torch.equal(layer(x.view(1, rows, 576)), want.view(1, rows, -1))  # the lm_head's call, any leading shape
+
+
+def test_the_kernels_know_a_layer_s_weights_by_number_until_the_layer_goes() -> None:
+    layer = linear(64, 32)
+    x = torch.randn(2, 64)
+    number = layer.weight
+    assert isinstance(number, int) and layer.weight == number  # given once
+    assert torch.equal(ops.int8_linear(x, number, None, None), scripted.int8_linear(x, layer.packed, None, None))
+    assert linear(64, 32).weight != number
+    del layer
+    gc.collect()
+    with pytest.raises(RuntimeError, match=f"no int8 weight number {number}"):
+        ops.int8_linear(x, number, None, None)
+    for wrong in (-1, 1 << 40):
+        with pytest.raises(RuntimeError, match="no int8 weight number"):
+            ops.int8_linear(x, wrong, None, None)
 
 
 @pytest.mark.parametrize("rows,length", [(1, 1), (3, 1), (2, 16)])
@@ -112,17 +130,17 @@ def test_the_mlp_with_its_rotation_is_the_scripted_one_to_rounding_and_row_by_ro
     o_proj, gate_up, down = linear(576, 576), linear(576, 3072), linear(1536, 576)
     rotation = InputRotation(1536)
     x, attended = torch.randn(rows, 576), torch.randn(rows, 576)
-    got = ops.mlp_residual(x, attended, o_proj.packed, gate_up.packed, down.packed, 1e-5, InputRotation.BLOCK)
+    got = ops.mlp_residual(x, attended, o_proj.weight, gate_up.weight, down.weight, 1e-5, InputRotation.BLOCK)
     want = scripted.PLAIN["mlp_residual"](x, attended, o_proj.packed, gate_up.packed, down.packed, None, 1e-5,
                                           rotation.block)
     # down_proj quantises its input: a rounding difference before it may move a value by one int8 step
     torch.testing.assert_close(got, want, rtol=0, atol=0.05 * want.abs().max().item())
     assert (got - want).abs().median() < 1e-4
     for row in range(rows):
-        alone = ops.mlp_residual(x[row:row + 1], attended[row:row + 1], o_proj.packed, gate_up.packed, down.packed,
+        alone = ops.mlp_residual(x[row:row + 1], attended[row:row + 1], o_proj.weight, gate_up.weight, down.weight,
                                  1e-5, InputRotation.BLOCK)
         assert torch.equal(alone, got[row:row + 1])
-    plain = ops.mlp_residual(x, attended, o_proj.packed, gate_up.packed, down.packed, 1e-5, 0)
+    plain = ops.mlp_residual(x, attended, o_proj.weight, gate_up.weight, down.weight, 1e-5, 0)
     unrotated = scripted.PLAIN["mlp_residual"](x, attended, o_proj.packed, gate_up.packed, down.packed, None, 1e-5,
                                                None)
     torch.testing.assert_close(plain, unrotated, rtol=0, atol=0.05 * unrotated.abs().max().item())

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedConfig
 from transformers.cache_utils import DynamicLayer
 
-from worker import scripted
+from worker import native, scripted
 
 ROOM = 128  # columns added at each growth: a copy every 128 tokens, at most 128 unused columns per layer
 
@@ -116,8 +116,8 @@ class RaggedLayer(DynamicLayer):
         for row, length in enumerate(rows.lengths):
             if length + added > self.key_buffers[row].shape[2]:
                 self._grow(row, length, length + added)
-        native = bool(cache_kwargs and cache_kwargs.get("native"))
-        write = torch.ops.llmserve.write_rows if native else scripted.write_rows
+        compiled = bool(cache_kwargs and cache_kwargs.get("native"))
+        write = native.ops.write_rows if compiled else scripted.write_rows
         written = write(self.key_buffers, self.value_buffers, rows.lengths, key_states, value_states)
         rows.written += 1
         if rows.written == rows.layers:

@@ -21,6 +21,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <deque>
+#include <mutex>
 #include <tuple>
 #include <vector>
 
@@ -74,9 +76,34 @@ void scale_rows(const float* x, float* scaled, float* rowmax, int64_t rows, int6
   }
 }
 
+// Python names a linear's packed weights by their number in this list, not by passing the ScriptObject: this
+// torch converts a ScriptObject argument with an attribute lookup that throws and catches, about 13 us a call,
+// and a decode step makes 121 such calls (bench/native.py --calls). A deque keeps each entry in place while
+// others are added.
+std::mutex weights_mutex;
+std::deque<Packed> weights;
+
+int64_t keep_weight(const Packed& packed) {
+  std::lock_guard<std::mutex> lock(weights_mutex);
+  weights.push_back(packed);
+  return static_cast<int64_t>(weights.size()) - 1;
+}
+
+void drop_weight(int64_t id) {
+  std::lock_guard<std::mutex> lock(weights_mutex);
+  if (id >= 0 && id < static_cast<int64_t>(weights.size())) weights[id].reset();
+}
+
+Packed weight_at(int64_t id) {
+  std::lock_guard<std::mutex> lock(weights_mutex);
+  TORCH_CHECK(id >= 0 && id < static_cast<int64_t>(weights.size()) && weights[id],
+              "llmserve: no int8 weight number ", id, " (keep_weight gives them)");
+  return weights[id];
+}
+
 // Without `norm_eps`, the very float operations of worker/scripted.py's int8_linear: its bits (tested). With
 // it, the mean of squares is this loop's sum, whose order differs from ATen's in the last bits.
-at::Tensor int8_linear(const at::Tensor& input, const Packed& packed, const std::optional<at::Tensor>& bias,
+at::Tensor int8_linear(const at::Tensor& input, int64_t weight, const std::optional<at::Tensor>& bias,
                        std::optional<double> norm_eps) {
   TORCH_CHECK(input.scalar_type() == at::kFloat, "llmserve::int8_linear takes float32");
   at::Tensor x = input.contiguous();
@@ -85,7 +112,7 @@ at::Tensor int8_linear(const at::Tensor& input, const Packed& packed, const std:
   std::vector<float> factor(rows);
   scale_rows(x.data_ptr<float>(), scaled.data_ptr<float>(), factor.data(), rows, k,
              norm_eps ? static_cast<float>(*norm_eps) : -1.0f);
-  at::Tensor out = packed->apply_with_input_q_dq_qweight_dq_output_fp32(scaled, kActScale, kActZeroPoint);
+  at::Tensor out = weight_at(weight)->apply_with_input_q_dq_qweight_dq_output_fp32(scaled, kActScale, kActZeroPoint);
   const int64_t n = out.size(-1);
   float* o = out.data_ptr<float>();
   const at::Tensor bias_values = bias ? bias->contiguous() : at::Tensor();
@@ -309,8 +336,8 @@ void silu_mul_rotate(const float* x, float* out, int64_t rows, int64_t width, in
 
 // The rest of a layer after attention, for a model whose norms have a gain of 1 (worker/rotation.py):
 // x + o_proj(attended), then + down_proj(rotated silu(gate) * up) of the normed sum.
-at::Tensor mlp_residual(const at::Tensor& x, const at::Tensor& attended, const Packed& o_proj, const Packed& gate_up,
-                        const Packed& down_proj, double eps, int64_t block) {
+at::Tensor mlp_residual(const at::Tensor& x, const at::Tensor& attended, int64_t o_proj, int64_t gate_up,
+                        int64_t down_proj, double eps, int64_t block) {
   at::Tensor h = x + int8_linear(attended, o_proj, std::nullopt, std::nullopt);
   at::Tensor gu = int8_linear(h, gate_up, std::nullopt, eps);
   const int64_t width = gu.size(-1) / 2, rows = gu.numel() / gu.size(-1);
@@ -325,8 +352,9 @@ at::Tensor mlp_residual(const at::Tensor& x, const at::Tensor& attended, const P
 
 // Catch-all kernels: inference only, CPU tensors (the int8 path's).
 TORCH_LIBRARY(llmserve, m) {
-  m.def("int8_linear(Tensor x, __torch__.torch.classes.quantized.LinearPackedParamsBase packed, Tensor? bias, "
-        "float? norm_eps) -> Tensor",
+  m.def("keep_weight(__torch__.torch.classes.quantized.LinearPackedParamsBase packed) -> int", &keep_weight);
+  m.def("drop_weight(int weight) -> ()", &drop_weight);
+  m.def("int8_linear(Tensor x, int weight, Tensor? bias, float? norm_eps) -> Tensor",
         &int8_linear);
   m.def("heads(Tensor qkv, int rows, int length, int dim, int q_heads, int kv_heads, Tensor cos, Tensor signed_sin) "
         "-> (Tensor, Tensor, Tensor)",
@@ -335,8 +363,7 @@ TORCH_LIBRARY(llmserve, m) {
         "-> (Tensor[], Tensor[])",
         &write_rows);
   m.def("decode_attention(Tensor query, Tensor[] keys, Tensor[] values, float scaling) -> Tensor", &decode_attention);
-  m.def("mlp_residual(Tensor x, Tensor attended, __torch__.torch.classes.quantized.LinearPackedParamsBase o_proj, "
-        "__torch__.torch.classes.quantized.LinearPackedParamsBase gate_up, "
-        "__torch__.torch.classes.quantized.LinearPackedParamsBase down_proj, float eps, int block) -> Tensor",
+  m.def("mlp_residual(Tensor x, Tensor attended, int o_proj, int gate_up, int down_proj, float eps, int block) "
+        "-> Tensor",
         &mlp_residual);
 }

@@ -10,8 +10,11 @@ build; `off` never builds them.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 SOURCE = Path(__file__).with_name("native.cpp")
 NAME = "llmserve_native"
@@ -23,6 +26,20 @@ log = logging.getLogger("worker")
 
 class NativeError(RuntimeError):
     pass
+
+
+class _Ops:
+    """torch.ops.llmserve's C++ functions themselves, each looked up once: a call through torch.ops (the packet or
+    its overload) first runs a Python check for a tracer's fake arguments, and a decode step makes about 150
+    calls (nothing here is traced)."""
+
+    def __getattr__(self, name: str) -> Callable:
+        function = getattr(torch.ops.llmserve, name).default._op
+        setattr(self, name, function)  # found as a plain attribute from now on
+        return function
+
+
+ops = _Ops()
 
 
 @dataclass

@@ -23,7 +23,9 @@ replays a migrated request's delivered tokens as decode steps.)
 
 from __future__ import annotations
 
+import functools
 import warnings
+import weakref
 
 import torch
 from torch import nn
@@ -31,7 +33,7 @@ from transformers import AttentionInterface, Cache, LlamaForCausalLM, PreTrained
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from worker import scripted
+from worker import native, scripted
 from worker.rotation import InputRotation, rotate_residual
 from worker.scripted import EPS
 
@@ -69,9 +71,18 @@ class Int8Linear(nn.Module):
         self.bias = nn.Parameter(torch.cat(biases), requires_grad=False) if has_bias else None
         self.native = native  # worker/native.cpp's call for float32: the same bits, less overhead
 
+    @functools.cached_property
+    def weight(self) -> int:
+        """The number worker/native.cpp's kernels know the packed weights by (passing the packed object itself
+        costs more than a small product: native.cpp), given on first use (the kernels must be loaded,
+        worker/native.py) and taken back when this layer goes."""
+        number = native.ops.keep_weight(self.packed)
+        weakref.finalize(self, native.ops.drop_weight, number)
+        return number
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native and x.dtype == torch.float32:
-            return torch.ops.llmserve.int8_linear(x, self.packed, self.bias, None)
+            return native.ops.int8_linear(x, self.weight, self.bias, None)
         return scripted.int8_linear(x, self.packed, self.bias, None)
 
     def extra_repr(self) -> str:
@@ -93,7 +104,7 @@ def rowwise_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor | lis
     if isinstance(key, list):
         if getattr(module, "native", False) and query.shape[2] == 1:  # a decode step: worker/native.cpp
             scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-            return torch.ops.llmserve.decode_attention(query, key, value, scale), None
+            return native.ops.decode_attention(query, key, value, scale), None
         return scripted.attend_rows(query, key, value, attention_mask, scaling), None
     batch, kv_len = query.shape[0], key.shape[2]
     if attention_mask is None:
@@ -163,7 +174,7 @@ class Int8LlamaLayer(nn.Module):
         sizes = [rows * length for rows, length in shapes]
         x = _cat([h.reshape(n, -1) for h, n in zip(hidden, sizes, strict=True)])
         if self.native:
-            qkv = torch.ops.llmserve.int8_linear(x, self.qkv.packed, None, self.norm_eps)
+            qkv = native.ops.int8_linear(x, self.qkv.weight, None, self.norm_eps)
         else:
             qkv = scripted.normed_linear(x, self.qkv.packed, self.gains[0], self.norm_eps)
         attended = _cat([self._attend(part, rows, length, *factors, mask, cache).reshape(rows * length, -1)
@@ -171,8 +182,8 @@ class Int8LlamaLayer(nn.Module):
                          in zip(_split(qkv, sizes), shapes, rope, masks, caches, strict=True)])
         rotation = None if self.down_rotation is None else self.down_rotation.block
         if self.native:
-            x = torch.ops.llmserve.mlp_residual(x, attended, self.o_proj.packed, self.gate_up.packed,
-                                                self.down_proj.packed, self.norm_eps,
+            x = native.ops.mlp_residual(x, attended, self.o_proj.weight, self.gate_up.weight,
+                                                self.down_proj.weight, self.norm_eps,
                                                 0 if rotation is None else rotation.shape[0])
         else:
             x = scripted.mlp_residual(x, attended, self.o_proj.packed, self.gate_up.packed, self.down_proj.packed,
@@ -182,7 +193,7 @@ class Int8LlamaLayer(nn.Module):
     def _attend(self, qkv: torch.Tensor, rows: int, length: int, cos: torch.Tensor, signed_sin: torch.Tensor,
                 mask: torch.Tensor | None, cache: Cache | None) -> torch.Tensor:
         """Attention of one part, from its fused projections ([rows * length, (q + 2 kv heads) * head_dim])."""
-        heads = torch.ops.llmserve.heads if self.native else scripted.heads
+        heads = native.ops.heads if self.native else scripted.heads
         query, key, value = heads(qkv, rows, length, self.head_dim, self.q_heads, self.kv_heads, cos, signed_sin)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx, {"native": self.native})
