@@ -110,6 +110,27 @@ def test_decode_attention_is_sdpa_s_to_rounding_and_each_row_its_own() -> None:
     assert torch.equal(mixed, got[shuffled])
 
 
+def test_a_decode_step_s_write_and_attention_in_one_call_are_the_two_calls_bit_for_bit() -> None:
+    torch.manual_seed(1)
+    lengths = [0, 4, 69, 256, 300]  # the first token of a row; short rows; a row that crosses to ATen's kernel
+    rows = len(lengths)
+    query, keys, values = torch.randn(rows, 9, 1, 64), torch.randn(rows, 3, 1, 64), torch.randn(rows, 3, 1, 64)
+    buffers = [torch.randn(1, 3, 320, 64) for _ in range(rows)], [torch.randn(1, 3, 320, 64) for _ in range(rows)]
+    copies = [b.clone() for b in buffers[0]], [b.clone() for b in buffers[1]]
+    got = ops.write_and_attend(query, *buffers, lengths, keys, values, 0.125)
+    row_keys, row_values = ops.write_rows(*copies, lengths, keys, values)
+    assert torch.equal(got, ops.decode_attention(query, row_keys, row_values, 0.125))
+    for have, expected in zip(buffers[0] + buffers[1], copies[0] + copies[1], strict=True):
+        assert torch.equal(have, expected)  # the same writes, in place
+    alone = ops.write_and_attend(query[2:3], [copies[0][2]], [copies[1][2]], [lengths[2] + 1], keys[2:3],
+                                 values[2:3], 0.125)
+    assert alone.shape == (1, 1, 9, 64)
+    with pytest.raises(RuntimeError, match="no room"):
+        ops.write_and_attend(query, *buffers, [320] * rows, keys, values, 0.125)
+    with pytest.raises(RuntimeError, match="one new token per row"):
+        ops.write_and_attend(query, *buffers, lengths, torch.randn(rows, 3, 2, 64), values, 0.125)
+
+
 def test_decode_attention_refuses_what_it_cannot_read() -> None:
     query = torch.randn(2, 9, 1, 64)
     keys, values = keys_and_values([4, 4])

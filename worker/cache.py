@@ -103,6 +103,26 @@ class RaggedLayer(DynamicLayer):
                *args: object, **kwargs: object) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Write each row's new tokens after its own; returns each row's keys and values, [1, heads, n, dim].
         `cache_kwargs` {"native": True}: by worker/native.cpp's write_rows (the same copies, in one call)."""
+        self._make_room(key_states, value_states)
+        compiled = bool(cache_kwargs and cache_kwargs.get("native"))
+        write = native.ops.write_rows if compiled else scripted.write_rows
+        written = write(self.key_buffers, self.value_buffers, self.rows.lengths, key_states, value_states)
+        self._commit(key_states.shape[2])
+        return written
+
+    def write_and_attend(self, query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
+                         scaling: float) -> torch.Tensor:
+        """A decode step's update and row-wise attention in one call of worker/native.cpp ([rows, heads, 1, dim]
+        each in, [rows, 1, heads, dim] out): the same numbers as update() and then its decode_attention over the
+        rows it returns, without a view of every row's keys and values in every layer."""
+        self._make_room(key_states, value_states)
+        out = native.ops.write_and_attend(query, self.key_buffers, self.value_buffers, self.rows.lengths, key_states,
+                                          value_states, scaling)
+        self._commit(1)
+        return out
+
+    def _make_room(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Buffers for a fresh cache's rows, and every row's room for the new tokens."""
         rows, added = self.rows, key_states.shape[2]
         if not rows.lengths:  # a fresh cache: one row per batch row
             rows.lengths = [0] * key_states.shape[0]
@@ -116,13 +136,13 @@ class RaggedLayer(DynamicLayer):
         for row, length in enumerate(rows.lengths):
             if length + added > self.key_buffers[row].shape[2]:
                 self._grow(row, length, length + added)
-        compiled = bool(cache_kwargs and cache_kwargs.get("native"))
-        write = native.ops.write_rows if compiled else scripted.write_rows
-        written = write(self.key_buffers, self.value_buffers, rows.lengths, key_states, value_states)
+
+    def _commit(self, added: int) -> None:
+        """The rows' lengths take the forward's tokens once its last layer has written them."""
+        rows = self.rows
         rows.written += 1
         if rows.written == rows.layers:
             rows.lengths, rows.written = [length + added for length in rows.lengths], 0
-        return written
 
     def _grow(self, row: int, length: int, needed: int) -> None:
         """A larger buffer for one row (twice the room: a row is copied a few times over its life, at most)."""

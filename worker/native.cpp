@@ -14,6 +14,7 @@
 // Compiled with -ffp-contract=off: a fused multiply-add would round differently from ATen's separate ones.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/native/quantized/PackedParams.h>
 #include <torch/library.h>
 
@@ -181,18 +182,70 @@ void attend_group(const float* q, int64_t q_head_stride, int64_t group, const fl
   }
 }
 
+// Where one row's keys and values lie: kv head h's n tokens from keys + h * key_stride (values + h *
+// value_stride), token after token.
+struct RowCache {
+  const float* keys;
+  const float* values;
+  int64_t key_stride;
+  int64_t value_stride;
+  int64_t n;
+};
+
+// One query per row (query [rows, q_heads, 1, dim], dim contiguous) over each row's own keys and values, into
+// out [rows, 1, q_heads, dim]. A row longer than kLongRow goes to ATen's flash kernel over `long_row(r)`'s keys
+// and values; the rest, (row, key-value head) pairs, are shared among the threads: each pair is computed by the
+// same code whichever thread takes it, so neither the split nor the batch can change a bit.
+template <typename LongRow>
+void attend(const at::Tensor& query, const std::vector<RowCache>& rows, int64_t kv_heads, double scaling,
+            at::Tensor& out, LongRow long_row) {
+  const int64_t q_heads = query.size(1), dim = query.size(3), group = q_heads / kv_heads;
+  const float* q = query.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const float scale = static_cast<float>(scaling);
+  auto kernel = dim == 64 ? attend_group<64> : dim == 128 ? attend_group<128> : attend_group<0>;
+  std::vector<int64_t> short_rows;
+  for (int64_t r = 0; r < static_cast<int64_t>(rows.size()); ++r) {
+    if (rows[r].n <= kLongRow) {
+      short_rows.push_back(r);
+      continue;
+    }
+    auto [keys, values] = long_row(r);  // ATen's kernel, on all threads; a row's kernel depends on its length only
+    at::Tensor alone = at::scaled_dot_product_attention(query.narrow(0, r, 1), keys, values, {}, 0.0, false, scaling,
+                                                        true);
+    out.narrow(0, r, 1).copy_(alone.transpose(1, 2));
+  }
+  const int64_t pairs = static_cast<int64_t>(short_rows.size()) * kv_heads;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t p = begin; p < end; ++p) {
+      const RowCache& row = rows[short_rows[p / kv_heads]];
+      const int64_t r = short_rows[p / kv_heads], h = p % kv_heads;
+      scores.resize(group * row.n);
+      kernel(q + r * query.stride(0) + h * group * query.stride(1), query.stride(1), group,
+             row.keys + h * row.key_stride, row.values + h * row.value_stride, dim, row.n, dim, scale,
+             o + (r * q_heads + h * group) * dim, dim, scores.data());
+    }
+  });
+}
+
+at::Tensor query_of(const at::Tensor& query) {
+  TORCH_CHECK(query.dim() == 4 && query.size(2) == 1 && query.scalar_type() == at::kFloat && query.size(0) > 0,
+              "llmserve::decode_attention takes one float32 query per row");
+  return query.stride(3) == 1 ? query : query.contiguous();
+}
+
 // query [rows, q_heads, 1, dim] (any strides, dim contiguous); keys[r], values[r] [1, kv_heads, n_r, dim]
 // with dim contiguous (a ragged cache's views). Returns [rows, 1, q_heads, dim], as worker/scripted.py's
 // attend_rows does.
 at::Tensor decode_attention(const at::Tensor& query, at::TensorList keys, at::TensorList values, double scaling) {
-  const int64_t rows = query.size(0), q_heads = query.size(1), dim = query.size(3);
-  TORCH_CHECK(query.size(2) == 1 && query.scalar_type() == at::kFloat,
-              "llmserve::decode_attention takes one float32 query per row");
-  TORCH_CHECK(rows > 0 && static_cast<int64_t>(keys.size()) == rows && static_cast<int64_t>(values.size()) == rows,
+  const at::Tensor q = query_of(query);
+  const int64_t rows = q.size(0), q_heads = q.size(1), dim = q.size(3);
+  TORCH_CHECK(static_cast<int64_t>(keys.size()) == rows && static_cast<int64_t>(values.size()) == rows,
               "llmserve::decode_attention needs each row's keys and values");
-  const int64_t kv_heads = keys[0].size(1), group = q_heads / kv_heads;
+  const int64_t kv_heads = keys[0].size(1);
   TORCH_CHECK(kv_heads > 0 && q_heads % kv_heads == 0, "llmserve::decode_attention: query heads in whole groups");
-  at::Tensor out = at::empty({rows, 1, q_heads, dim}, query.options());
+  std::vector<RowCache> caches;
   for (int64_t r = 0; r < rows; ++r) {
     for (const auto& tensor : {keys[r], values[r]}) {
       TORCH_CHECK(tensor.dim() == 4 && tensor.size(0) == 1 && tensor.size(1) == kv_heads && tensor.size(3) == dim &&
@@ -201,28 +254,11 @@ at::Tensor decode_attention(const at::Tensor& query, at::TensorList keys, at::Te
       TORCH_CHECK(tensor.stride(3) == 1 && tensor.stride(2) == dim && tensor.scalar_type() == at::kFloat,
                   "llmserve::decode_attention needs keys and values laid out token after token");
     }
+    caches.push_back({keys[r].data_ptr<float>(), values[r].data_ptr<float>(), keys[r].stride(1), values[r].stride(1),
+                      keys[r].size(2)});
   }
-  const at::Tensor q_tensor = query.stride(3) == 1 ? query : query.contiguous();
-  const float* q = q_tensor.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  const float scale = static_cast<float>(scaling);
-  std::vector<float> scores;
-  auto attend = dim == 64 ? attend_group<64> : dim == 128 ? attend_group<128> : attend_group<0>;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t n = keys[r].size(2);
-    if (n > kLongRow) {  // ATen's flash kernel, on all threads; a row's kernel depends on its own length only
-      at::Tensor alone = at::scaled_dot_product_attention(q_tensor.narrow(0, r, 1), keys[r], values[r], {}, 0.0,
-                                                          false, scaling, true);
-      out.narrow(0, r, 1).copy_(alone.transpose(1, 2));
-      continue;
-    }
-    scores.resize(group * n);
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      attend(q + r * q_tensor.stride(0) + h * group * q_tensor.stride(1), q_tensor.stride(1), group,
-             keys[r].data_ptr<float>() + h * keys[r].stride(1), values[r].data_ptr<float>() + h * values[r].stride(1),
-             dim, n, dim, scale, o + (r * q_heads + h * group) * dim, dim, scores.data());
-    }
-  }
+  at::Tensor out = at::empty({rows, 1, q_heads, dim}, q.options());
+  attend(q, caches, kv_heads, scaling, out, [&](int64_t r) { return std::make_pair(keys[r], values[r]); });
   return out;
 }
 
@@ -262,14 +298,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> heads(const at::Tensor& qkv, int6
   return {query, key, value};
 }
 
-// Row r's new keys and values ([rows, kv_heads, added, dim], any strides with dim contiguous) written after
-// its lengths[r] tokens into its buffers ([1, kv_heads, room, dim], contiguous, with room: the caller grows
-// them); returns each row's keys and values so far, views of its buffers (worker/scripted.py's write_rows).
-std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> write_rows(at::TensorList key_buffers,
-                                                                        at::TensorList value_buffers,
-                                                                        at::IntArrayRef lengths,
-                                                                        const at::Tensor& keys,
-                                                                        const at::Tensor& values) {
+// Row r's new keys and values ([rows, kv_heads, added, dim], any strides with dim contiguous) copied after its
+// lengths[r] tokens into its buffers ([1, kv_heads, room, dim], contiguous, with room: the caller grows them).
+void copy_rows(at::TensorList key_buffers, at::TensorList value_buffers, at::IntArrayRef lengths,
+               const at::Tensor& keys, const at::Tensor& values) {
   const int64_t rows = static_cast<int64_t>(lengths.size()), heads = keys.size(1), added = keys.size(2),
                 dim = keys.size(3);
   TORCH_CHECK(static_cast<int64_t>(key_buffers.size()) == rows && static_cast<int64_t>(value_buffers.size()) == rows &&
@@ -278,13 +310,9 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> write_rows(at::Tens
   TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1 && keys.scalar_type() == at::kFloat &&
                   values.scalar_type() == at::kFloat,
               "llmserve::write_rows takes float32 keys and values with each head's numbers side by side");
-  std::vector<at::Tensor> row_keys, row_values;
-  row_keys.reserve(rows);
-  row_values.reserve(rows);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t start = lengths[r];
-    for (const auto& [buffers, source, out] : {std::tie(key_buffers, keys, row_keys),
-                                               std::tie(value_buffers, values, row_values)}) {
+    for (const auto& [buffers, source] : {std::tie(key_buffers, keys), std::tie(value_buffers, values)}) {
       const at::Tensor& buffer = buffers[r];
       TORCH_CHECK(buffer.is_contiguous() && buffer.size(1) == heads && buffer.size(3) == dim &&
                       start + added <= buffer.size(2) && buffer.scalar_type() == at::kFloat,
@@ -298,10 +326,50 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> write_rows(at::Tens
                       from + r * source.stride(0) + h * source.stride(1) + t * source.stride(2), dim * sizeof(float));
         }
       }
-      out.push_back(buffer.narrow(2, 0, start + added));
     }
   }
+}
+
+// copy_rows, then each row's keys and values so far, views of its buffers (worker/scripted.py's write_rows).
+std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> write_rows(at::TensorList key_buffers,
+                                                                        at::TensorList value_buffers,
+                                                                        at::IntArrayRef lengths,
+                                                                        const at::Tensor& keys,
+                                                                        const at::Tensor& values) {
+  copy_rows(key_buffers, value_buffers, lengths, keys, values);
+  std::vector<at::Tensor> row_keys, row_values;
+  for (int64_t r = 0; r < static_cast<int64_t>(lengths.size()); ++r) {
+    row_keys.push_back(key_buffers[r].narrow(2, 0, lengths[r] + keys.size(2)));
+    row_values.push_back(value_buffers[r].narrow(2, 0, lengths[r] + keys.size(2)));
+  }
   return {row_keys, row_values};
+}
+
+// A decode step's cache write and attention in one call: each row's new key and value (keys, values
+// [rows, kv_heads, 1, dim]) written after its lengths[r] tokens, then its query attended over its buffers' first
+// lengths[r] + 1 tokens, read in place: no view per row and layer (a decode step at 16 rows made 960 of them).
+// The same numbers as write_rows then decode_attention.
+at::Tensor write_and_attend(const at::Tensor& query, at::TensorList key_buffers, at::TensorList value_buffers,
+                            at::IntArrayRef lengths, const at::Tensor& keys, const at::Tensor& values,
+                            double scaling) {
+  const at::Tensor q = query_of(query);
+  TORCH_CHECK(keys.size(2) == 1 && keys.size(0) == q.size(0) && keys.size(3) == q.size(3) &&
+                  q.size(1) % keys.size(1) == 0,
+              "llmserve::write_and_attend takes one new token per row, with the query's head size");
+  copy_rows(key_buffers, value_buffers, lengths, keys, values);
+  const int64_t rows = q.size(0), kv_heads = keys.size(1), dim = q.size(3);
+  std::vector<RowCache> caches;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t room = key_buffers[r].size(2);
+    TORCH_CHECK(value_buffers[r].size(2) == room, "llmserve::write_and_attend: row ", r, "'s buffers differ");
+    caches.push_back({key_buffers[r].data_ptr<float>(), value_buffers[r].data_ptr<float>(), room * dim, room * dim,
+                      lengths[r] + 1});
+  }
+  at::Tensor out = at::empty({rows, 1, q.size(1), dim}, q.options());
+  attend(q, caches, kv_heads, scaling, out, [&](int64_t r) {
+    return std::make_pair(key_buffers[r].narrow(2, 0, lengths[r] + 1), value_buffers[r].narrow(2, 0, lengths[r] + 1));
+  });
+  return out;
 }
 
 // x [rows, 2 * width]: silu(first half) * second half, then, with `block`, each run of `block` channels
@@ -344,7 +412,11 @@ at::Tensor mlp_residual(const at::Tensor& x, const at::Tensor& attended, int64_t
   TORCH_CHECK(block == 0 || ((block & (block - 1)) == 0 && width % block == 0),
               "llmserve::mlp_residual rotates blocks of a power of 2 that divides the width");
   at::Tensor mixed = at::empty({rows, width}, gu.options());
-  silu_mul_rotate(gu.data_ptr<float>(), mixed.data_ptr<float>(), rows, width, block);
+  const float* gate_up_rows = gu.data_ptr<float>();
+  float* mixed_rows = mixed.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {  // rows apart: each row's bits its own
+    silu_mul_rotate(gate_up_rows + begin * 2 * width, mixed_rows + begin * width, end - begin, width, block);
+  });
   return h.add_(int8_linear(mixed, down_proj, std::nullopt, std::nullopt));
 }
 
@@ -363,6 +435,9 @@ TORCH_LIBRARY(llmserve, m) {
         "-> (Tensor[], Tensor[])",
         &write_rows);
   m.def("decode_attention(Tensor query, Tensor[] keys, Tensor[] values, float scaling) -> Tensor", &decode_attention);
+  m.def("write_and_attend(Tensor query, Tensor[] key_buffers, Tensor[] value_buffers, int[] lengths, Tensor keys, "
+        "Tensor values, float scaling) -> Tensor",
+        &write_and_attend);
   m.def("mlp_residual(Tensor x, Tensor attended, int o_proj, int gate_up, int down_proj, float eps, int block) "
         "-> Tensor",
         &mlp_residual);

@@ -18,7 +18,9 @@ import torch
 
 SOURCE = Path(__file__).with_name("native.cpp")
 NAME = "llmserve_native"
-FLAGS = ["-O3", "-fopenmp-simd", "-ffp-contract=off"]  # no fused multiply-add: ATen's rounding (native.cpp)
+# No fused multiply-add: ATen's rounding (native.cpp). OpenMP: at::parallel_for is inline, and without it runs
+# on one thread; the library it links is the one torch has loaded already (the same name), one pool of threads.
+FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 MODES = ("auto", "on", "off")
 
 log = logging.getLogger("worker")
@@ -72,7 +74,8 @@ def _compile() -> _Build:
     try:
         from torch.utils import cpp_extension
 
-        cpp_extension.load(name=NAME, sources=[str(SOURCE)], extra_cflags=FLAGS, is_python_module=False)
+        cpp_extension.load(name=NAME, sources=[str(SOURCE)], extra_cflags=FLAGS,
+                           extra_ldflags=["-fopenmp"], is_python_module=False)
     except Exception as error:  # no compiler, no ninja, an unwritable cache: the scripted layer serves
         lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [""]
         causes = [line for line in lines if "not found" in line or "error:" in line]  # the compiler's own words

@@ -34,6 +34,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from worker import native, scripted
+from worker.cache import RaggedLayer
 from worker.rotation import InputRotation, rotate_residual
 from worker.scripted import EPS
 
@@ -195,6 +196,8 @@ class Int8LlamaLayer(nn.Module):
         """Attention of one part, from its fused projections ([rows * length, (q + 2 kv heads) * head_dim])."""
         heads = native.ops.heads if self.native else scripted.heads
         query, key, value = heads(qkv, rows, length, self.head_dim, self.q_heads, self.kv_heads, cos, signed_sin)
+        if self.native and length == 1 and cache is not None and isinstance(cache.layers[self.layer_idx], RaggedLayer):
+            return cache.layers[self.layer_idx].write_and_attend(query, key, value, self.scaling)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx, {"native": self.native})
         return rowwise_sdpa(self, query, key, value, mask, scaling=self.scaling)[0]
