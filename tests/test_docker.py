@@ -119,7 +119,8 @@ def image_mb(tag: str) -> float:
 class Compose:
     def __init__(self, command: list[str], port: int) -> None:
         self.command = [*command, "-p", PROJECT, "-f", str(ROOT / "docker-compose.yml")]
-        self.env = {**os.environ, "GATEWAY_PORT": str(port)}
+        # WORKER_NATIVE=on: a worker whose compiled kernels (built into the image) do not load stops at start.
+        self.env = {**os.environ, "GATEWAY_PORT": str(port), "WORKER_NATIVE": "on"}
         self.url = f"http://127.0.0.1:{port}"
 
     def __call__(self, *args: str) -> str:
