@@ -5,6 +5,7 @@ the setting's modes and a failed build behave as documented."""
 
 from __future__ import annotations
 
+import copy
 import gc
 
 import pytest
@@ -49,8 +50,11 @@ def test_the_kernels_know_a_layer_s_weights_by_number_until_the_layer_goes() -> 
     assert isinstance(number, int) and layer.weight == number  # given once
     assert torch.equal(ops.int8_linear(x, number, None, None), scripted.int8_linear(x, layer.packed, None, None))
     assert linear(64, 32).weight != number
+    twin = copy.deepcopy(layer)
     del layer
     gc.collect()
+    assert twin.weight != number  # its own, alive after the original's went
+    assert torch.equal(twin(x), scripted.int8_linear(x, twin.packed, None, None))
     with pytest.raises(RuntimeError, match=f"no int8 weight number {number}"):
         ops.int8_linear(x, number, None, None)
     for wrong in (-1, 1 << 40):

@@ -81,6 +81,11 @@ class Int8Linear(nn.Module):
         weakref.finalize(self, native.ops.drop_weight, number)
         return number
 
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state.pop("weight", None)  # a copy (or a pickle) asks for a number of its own
+        return state
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native and x.dtype == torch.float32:
             return native.ops.int8_linear(x, self.weight, self.bias, None)
