@@ -78,7 +78,7 @@ void scale_rows(const float* x, float* scaled, float* rowmax, int64_t rows, int6
 }
 
 // Python names a linear's packed weights by their number in this list, not by passing the ScriptObject: this
-// torch converts a ScriptObject argument with an attribute lookup that throws and catches, about 13 us a call,
+// torch converts a ScriptObject argument with an attribute lookup that throws and catches, about 12 us a call,
 // and a decode step makes 121 such calls (bench/native.py --calls). A deque keeps each entry in place while
 // others are added.
 std::mutex weights_mutex;
@@ -219,8 +219,8 @@ void attend(const at::Tensor& query, const std::vector<RowCache>& rows, int64_t 
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t p = begin; p < end; ++p) {
-      const RowCache& row = rows[short_rows[p / kv_heads]];
       const int64_t r = short_rows[p / kv_heads], h = p % kv_heads;
+      const RowCache& row = rows[r];
       scores.resize(group * row.n);
       kernel(q + r * query.stride(0) + h * group * query.stride(1), query.stride(1), group,
              row.keys + h * row.key_stride, row.values + h * row.value_stride, dim, row.n, dim, scale,

@@ -107,10 +107,7 @@ def rowwise_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor | lis
     row's own ([1, heads, n, dim], worker/cache.py's ragged layout): then each row is its own call."""
     if kwargs.get("sliding_window") or kwargs.get("softcap") or kwargs.get("position_bias") is not None:
         raise NotImplementedError("int8's row-wise attention handles plain causal attention only")
-    if isinstance(key, list):
-        if getattr(module, "native", False) and query.shape[2] == 1:  # a decode step: worker/native.cpp
-            scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-            return native.ops.decode_attention(query, key, value, scale), None
+    if isinstance(key, list):  # (a compiled layer's decode step never comes here: RaggedLayer.write_and_attend)
         return scripted.attend_rows(query, key, value, attention_mask, scaling), None
     batch, kv_len = query.shape[0], key.shape[2]
     if attention_mask is None:
@@ -188,9 +185,8 @@ class Int8LlamaLayer(nn.Module):
                          in zip(_split(qkv, sizes), shapes, rope, masks, caches, strict=True)])
         rotation = None if self.down_rotation is None else self.down_rotation.block
         if self.native:
-            x = native.ops.mlp_residual(x, attended, self.o_proj.weight, self.gate_up.weight,
-                                                self.down_proj.weight, self.norm_eps,
-                                                0 if rotation is None else rotation.shape[0])
+            x = native.ops.mlp_residual(x, attended, self.o_proj.weight, self.gate_up.weight, self.down_proj.weight,
+                                        self.norm_eps, 0 if rotation is None else rotation.shape[0])
         else:
             x = scripted.mlp_residual(x, attended, self.o_proj.packed, self.gate_up.packed, self.down_proj.packed,
                                       self.gains[1], self.norm_eps, rotation)
