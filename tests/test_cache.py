@@ -144,5 +144,7 @@ def test_a_row_cut_from_a_ragged_cache_keeps_its_buffers_and_block_copies_column
     assert torch.equal(got[0][0], torch.cat([keys[1:2, :, :9], more[0]], 2))
     piece = block(cache, 0, 4, 8)
     assert piece.shape == (1, 2, 3, 4, 8) and torch.equal(piece[0, 1], values[0, :, 4:8])
-    restored = stacked_cache(config, [block(cache, 0, 0, 8), block(cache, 1, 0, 8)], ragged=True)
+    restored = stacked_cache(config, [[block(cache, 0, 0, 4), block(cache, 0, 4, 8)], [block(cache, 1, 0, 8)]],
+                             ragged=True)
     assert torch.equal(restored.layers[0].row(1)[0], keys[1:2, :, :8])
+    assert torch.equal(restored.layers[0].row(0)[1], values[0:1, :, :8])  # a row's blocks joined in order

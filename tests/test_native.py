@@ -22,6 +22,7 @@ from worker.rotation import InputRotation
 
 pytestmark = pytest.mark.skipif(not native.load("auto"), reason="worker/native.cpp does not build here")
 ops = torch.ops.llmserve
+THREADS = torch.get_num_threads()
 
 
 def linear(in_features: int, out_features: int, bias: bool = False) -> Int8Linear:
@@ -98,25 +99,53 @@ def keys_and_values(lengths: list[int], room: int = 40) -> tuple[list[torch.Tens
 
 def test_decode_attention_is_sdpa_s_to_rounding_and_each_row_its_own() -> None:
     torch.manual_seed(0)
-    lengths = [1, 5, 70, 256, 257, 900]  # short rows in the compiled loop, long ones by ATen's kernel
+    lengths = [1, 5, 70, 256, 257, 900]  # one run of keys; a long row's keys in runs shared among the threads
     query = torch.randn(len(lengths), 9, 1, 64)
     keys, values = keys_and_values(lengths)
     got = ops.decode_attention(query, keys, values, 0.125)
     want = scripted.PLAIN["attend_rows"](query, keys, values, None, 0.125)
     assert got.shape == want.shape == (len(lengths), 1, 9, 64)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert torch.equal(got[4:], want[4:])  # the long rows: the very kernel call
     for row in range(len(lengths)):  # alone, or with other batch-mates: the same bits
         alone = ops.decode_attention(query[row:row + 1], keys[row:row + 1], values[row:row + 1], 0.125)
         assert torch.equal(alone, got[row:row + 1])
     shuffled = [3, 0, 5, 1]
     mixed = ops.decode_attention(query[shuffled], [keys[r] for r in shuffled], [values[r] for r in shuffled], 0.125)
     assert torch.equal(mixed, got[shuffled])
+    torch.set_num_threads(1)  # the runs of a long row on one thread: the same bits
+    try:
+        assert torch.equal(ops.decode_attention(query, keys, values, 0.125), got)
+    finally:
+        torch.set_num_threads(THREADS)
+
+
+@pytest.mark.parametrize("length", [16, 5])
+def test_a_block_s_attention_is_causal_sdpa_s_to_rounding_and_each_row_its_own(length: int) -> None:
+    """Several new tokens per row (a prefill block after the row's cached tokens): token i sees the cache and
+    the block up to i."""
+    torch.manual_seed(2)
+    lengths = [0, 16, 240, 256, 500, 1000]  # a first block; blocks whose keys end inside or past a run
+    rows = len(lengths)
+    query, keys, values = (torch.randn(rows, heads, length, 64) for heads in (9, 3, 3))
+    buffers = [torch.randn(1, 3, 1040, 64) for _ in range(rows)], [torch.randn(1, 3, 1040, 64) for _ in range(rows)]
+    copies = [b.clone() for b in buffers[0]], [b.clone() for b in buffers[1]]
+    got = ops.write_and_attend(query, *buffers, lengths, keys, values, 0.125)
+    assert got.shape == (rows, length, 9, 64)
+    for row, cached in enumerate(lengths):
+        n = cached + length
+        sees = torch.ones(length, n, dtype=torch.bool).tril(cached)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            query[row:row + 1], buffers[0][row][:, :, :n], buffers[1][row][:, :, :n], attn_mask=sees, scale=0.125,
+            enable_gqa=True).transpose(1, 2)
+        torch.testing.assert_close(got[row:row + 1], want, rtol=1e-5, atol=1e-5)
+        alone = ops.write_and_attend(query[row:row + 1], [copies[0][row]], [copies[1][row]], [cached],
+                                     keys[row:row + 1], values[row:row + 1], 0.125)
+        assert torch.equal(alone, got[row:row + 1])  # the batch changes no bit
 
 
 def test_a_decode_step_s_write_and_attention_in_one_call_are_the_two_calls_bit_for_bit() -> None:
     torch.manual_seed(1)
-    lengths = [0, 4, 69, 256, 300]  # the first token of a row; short rows; a row that crosses to ATen's kernel
+    lengths = [0, 4, 69, 256, 300]  # the first token of a row; short rows; a row whose keys take two runs
     rows = len(lengths)
     query, keys, values = torch.randn(rows, 9, 1, 64), torch.randn(rows, 3, 1, 64), torch.randn(rows, 3, 1, 64)
     buffers = [torch.randn(1, 3, 320, 64) for _ in range(rows)], [torch.randn(1, 3, 320, 64) for _ in range(rows)]
@@ -131,7 +160,7 @@ def test_a_decode_step_s_write_and_attention_in_one_call_are_the_two_calls_bit_f
     assert alone.shape == (1, 1, 9, 64)
     with pytest.raises(RuntimeError, match="no room"):
         ops.write_and_attend(query, *buffers, [320] * rows, keys, values, 0.125)
-    with pytest.raises(RuntimeError, match="one new token per row"):
+    with pytest.raises(RuntimeError, match="the same rows, tokens and head size"):
         ops.write_and_attend(query, *buffers, lengths, torch.randn(rows, 3, 2, 64), values, 0.125)
 
 

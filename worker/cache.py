@@ -112,13 +112,13 @@ class RaggedLayer(DynamicLayer):
 
     def write_and_attend(self, query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
                          scaling: float) -> torch.Tensor:
-        """A decode step's update and row-wise attention in one call of worker/native.cpp ([rows, heads, 1, dim]
-        each in, [rows, 1, heads, dim] out): the same numbers as update() and then its decode_attention over the
-        rows it returns, without a view of every row's keys and values in every layer."""
+        """A forward's update and row-wise causal attention in one call of worker/native.cpp ([rows, heads, t,
+        dim] each in, [rows, t, heads, dim] out), without a view of every row's keys and values in every layer.
+        A decode step (t = 1): the same numbers as update() and then decode_attention over the rows it returns."""
         self._make_room(key_states, value_states)
         out = native.ops.write_and_attend(query, self.key_buffers, self.value_buffers, self.rows.lengths, key_states,
                                           value_states, scaling)
-        self._commit(1)
+        self._commit(key_states.shape[2])
         return out
 
     def _make_room(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -245,19 +245,23 @@ def filled_cache(config: PreTrainedConfig, keys_values: list[tuple[torch.Tensor,
     return cache
 
 
-def stacked_cache(config: PreTrainedConfig, rows: list[torch.Tensor], ragged: bool,
+def stacked_cache(config: PreTrainedConfig, rows: list[list[torch.Tensor]], ragged: bool,
                   capacity: int = 0) -> DynamicCache:
-    """A cache whose row r holds `rows[r]`: [layers, 2 (keys, values), heads, tokens, head_dim], every row as
-    long, with room for `capacity` tokens per row; copied once, straight into buffers with room."""
+    """A cache whose row r holds the blocks `rows[r]` one after another (each block [layers, 2 (keys, values),
+    heads, tokens, head_dim]; every row as long), with room for `capacity` tokens per row. Each layer's part of
+    a row is joined on its own and copied into buffers with room: a join of the whole row at once would take a
+    fresh allocation of the row's every layer, whose first touch costs more than the copies."""
     cache = new_cache(config, ragged, capacity)
-    _, _, heads, length, dim = rows[0].shape
+    _, _, heads, _, dim = rows[0][0].shape
+    length = sum(block.shape[3] for block in rows[0])
     room = max(capacity, length + ROOM)
     if ragged:
         cache.layers[0].rows.lengths = [length] * len(rows)
     for index, layer in enumerate(cache.layers):
-        keys, values = (rows[0].new_empty((len(rows), heads, room, dim)) for _ in range(2))
-        for row, tensor in enumerate(rows):
-            keys[row, :, :length], values[row, :, :length] = tensor[index, 0], tensor[index, 1]
+        keys, values = (rows[0][0].new_empty((len(rows), heads, room, dim)) for _ in range(2))
+        for row, blocks in enumerate(rows):
+            joined = torch.cat([block[index] for block in blocks], dim=2)
+            keys[row, :, :length], values[row, :, :length] = joined[0], joined[1]
         layer.lazy_initialization(keys, values)
         if ragged:  # each row its own buffer: a view of one row of the stack
             layer.key_buffers, layer.value_buffers = list(keys.split(1)), list(values.split(1))

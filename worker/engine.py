@@ -128,7 +128,7 @@ class _Prefill:
     sequences: list[Sequence]
     depth: int
     order: int  # when the group formed: the lowest is the oldest
-    restored: list[torch.Tensor] = field(default_factory=list)
+    restored: list[list[torch.Tensor]] = field(default_factory=list)
     cache: DynamicCache | None = None
 
     def remaining(self, block: int) -> int:
@@ -322,7 +322,7 @@ class Engine:
             self.prefills.append(group)
         group.sequences.append(sequence)
         if cached:
-            group.restored.append(torch.cat(self.store.take(sequence.digests[:cached]), dim=3))
+            group.restored.append(self.store.take(sequence.digests[:cached]))
 
     def _prefill_step(self) -> list[StepOutput]:
         if not self.chunk_blocks:  # unchunked: every prompt to its end in this step

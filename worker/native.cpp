@@ -6,8 +6,9 @@
 //
 // - int8_linear: the row scale (with RMSNorm's factor when the norm is folded into the product), the
 //   division by it, fbgemm's product and the rescale: without a norm, worker/scripted.py's bits (tested).
-// - decode_attention: one query per row over that row's own keys (a ragged cache's), each row computed
-//   alone, so that its result does not depend on its batch; a long row goes to ATen's flash kernel.
+// - write_and_attend / decode_attention: each row's queries over that row's own keys (a ragged cache's), each
+//   row computed alone, so that its result does not depend on its batch; a long row's keys split among the
+//   threads in runs of a fixed size.
 // - mlp_residual: o_proj and its residual, the MLP with down_proj's input rotated by a fast Walsh-Hadamard
 //   transform (the block-diagonal Sylvester matrix of worker/rotation.py, without the matrix product).
 //
@@ -34,26 +35,30 @@ using Packed = c10::intrusive_ptr<LinearPackedParamsBase>;
 constexpr double kActScale = 1.0 / 127;  // worker/scripted.py's ACT_MAX and ACT_ZERO_POINT
 constexpr int64_t kActZeroPoint = 128;
 constexpr float kFloor = 1e-12f;  // worker/scripted.py's EPS
-constexpr int64_t kLongRow = 256;  // keys beyond which a row's attention is ATen's (threaded, faster there)
 
 // exp(x) for x in float range: 2^n times a polynomial on [-ln2/2, ln2/2] (Cephes' coefficients), a
-// couple of ulps from the exact value; plain arithmetic, so that loops over it vectorise.
-inline float exp_poly(float x) {
-  x = std::min(88.0f, std::max(-87.0f, x));
-  float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
+// couple of ulps from the exact value; plain arithmetic, so that loops over it vectorise. The polynomial of
+// x - n ln2 (ln2 in two parts), for a float or a vector of them (T{} + c: c in every lane).
+template <typename T>
+inline T exp_reduced(T x, T n) {
+  T r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+  T p = T{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  return p * r * r + r + 1.0f;
+}
+
+inline float exp_poly(float x) {
+  x = std::min(88.0f, std::max(-87.0f, x));
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
   int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
+  return exp_reduced(x, n) * scale;
 }
 
 // Each row of x [rows, k] divided by its largest magnitude (floored), into `scaled`; the row maxima into
@@ -131,17 +136,42 @@ at::Tensor int8_linear(const at::Tensor& input, int64_t weight, const std::optio
   return out;
 }
 
-// The query heads sharing one key-value head (`group` of them) of one row over its n keys. Each key and value
-// is read once for the whole group. DIM > 0: the head size known at compile time (the dot products unroll
-// into whole vectors); 0: read from `runtime_dim`. `scores`: room for group * n floats.
+// Attention is computed in units of one row's key-value head over a run of at most kSplit of its keys; a unit
+// leaves, for each of its queries, the largest score m, the sum l of exp(score - m) and the sum acc of
+// exp(score - m) * value, and `merge` combines a row's units in key order. A unit's work depends only on its
+// own row, so neither the batch nor the threads change a bit, and a long row's keys are shared among the
+// threads (a single stream's decode step, a prompt deep in a long context).
+constexpr int64_t kSplit = 256;
+constexpr int64_t kLanes = 8;  // queries side by side in one vector (a block's queries): AVX2's width
+using Lanes = float __attribute__((vector_size(kLanes * sizeof(float)), aligned(sizeof(float))));
+using LaneInts = int32_t __attribute__((vector_size(kLanes * sizeof(int32_t)), aligned(sizeof(int32_t))));
+
+inline Lanes splat(float x) { return Lanes{} + x; }
+
+// exp_poly lane by lane, by the same operations (floor as truncation, less one where that rounded up).
+inline Lanes exp_lanes(Lanes x) {
+  x = x < splat(88.0f) ? x : splat(88.0f);
+  x = x > splat(-87.0f) ? x : splat(-87.0f);
+  const Lanes y = x * 1.44269504088896341f + 0.5f;
+  const Lanes whole = __builtin_convertvector(__builtin_convertvector(y, LaneInts), Lanes);
+  const LaneInts above = whole > y;  // -1 where truncation went up (negative y)
+  const Lanes n = whole + __builtin_convertvector(above, Lanes);
+  const LaneInts bits = (__builtin_convertvector(n, LaneInts) + 127) << 23;
+  return exp_reduced(x, n) * reinterpret_cast<const Lanes&>(bits);
+}
+
+// One new token per row (a decode step): the query heads sharing one key-value head (`group` of them) over
+// keys begin..end. Each key and value is read once for the whole group. DIM > 0: the head size known at
+// compile time (the dot products unroll into whole vectors); 0: read from `runtime_dim`. `scores`: room for
+// group * (end - begin) floats; acc: [group, dim].
 template <int64_t DIM>
 __attribute__((target_clones("avx2", "default")))
-void attend_group(const float* q, int64_t q_head_stride, int64_t group, const float* keys, const float* values,
-                  int64_t token_stride, int64_t n, int64_t runtime_dim, float scale, float* out,
-                  int64_t out_head_stride, float* scores) {
-  const int64_t dim = DIM > 0 ? DIM : runtime_dim;
+void attend_one(const float* q, int64_t q_head_stride, int64_t group, const float* keys, const float* values,
+                int64_t begin, int64_t end, int64_t runtime_dim, float scale, float* scores, float* m, float* l,
+                float* acc) {
+  const int64_t dim = DIM > 0 ? DIM : runtime_dim, n = end - begin;
   for (int64_t j = 0; j < n; ++j) {
-    const float* key = keys + j * token_stride;
+    const float* key = keys + (begin + j) * dim;
     for (int64_t g = 0; g < group; ++g) {
       const float* query = q + g * q_head_stride;
       float dot = 0.0f;
@@ -150,7 +180,6 @@ void attend_group(const float* q, int64_t q_head_stride, int64_t group, const fl
       scores[g * n + j] = dot * scale;
     }
   }
-  std::vector<float> totals(group);
   for (int64_t g = 0; g < group; ++g) {
     float* row = scores + g * n;
     float top = -INFINITY;
@@ -162,23 +191,102 @@ void attend_group(const float* q, int64_t q_head_stride, int64_t group, const fl
       row[j] = exp_poly(row[j] - top);
       total += row[j];
     }
-    totals[g] = total;
-    std::fill(out + g * out_head_stride, out + g * out_head_stride + dim, 0.0f);
+    m[g] = top;
+    l[g] = total;
+    std::fill(acc + g * dim, acc + (g + 1) * dim, 0.0f);
   }
   for (int64_t j = 0; j < n; ++j) {
-    const float* value = values + j * token_stride;
+    const float* value = values + (begin + j) * dim;
     for (int64_t g = 0; g < group; ++g) {
-      float* result = out + g * out_head_stride;
+      float* result = acc + g * dim;
       const float p = scores[g * n + j];
 #pragma omp simd
       for (int64_t d = 0; d < dim; ++d) result[d] += p * value[d];
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    float* result = out + g * out_head_stride;
-    const float inverse = 1.0f / totals[g];
-#pragma omp simd
-    for (int64_t d = 0; d < dim; ++d) result[d] *= inverse;
+}
+
+// Several queries per row (a prefill block), side by side in lanes: qt [dim, lanes] holds query L in column L
+// (lanes a multiple of 2 * kLanes; the padding columns are computed and ignored). Query L sees keys up to
+// limits[L]. Scores [keys, lanes] and acc [dim, lanes]: each key's products with every query are whole-vector
+// multiplies by one number of the key, with no sum across a vector, so each lane's arithmetic is its own.
+__attribute__((target_clones("avx2", "default")))
+void attend_block(const float* qt, int64_t lanes, const float* keys, const float* values, int64_t begin,
+                  int64_t end, int64_t dim, const int32_t* limits, float scale, float* __restrict scores,
+                  float* __restrict m, float* __restrict l, float* acc) {
+  // Each pass keeps kTile keys (scores) or head channels (acc) times two vectors of queries in registers.
+  constexpr int64_t kTile = 4;
+  const int64_t n = end - begin;
+  for (int64_t v = 0; v < lanes; v += 2 * kLanes) {
+    int64_t j0 = 0;
+    for (; j0 + kTile <= n; j0 += kTile) {
+      Lanes low[kTile] = {}, high[kTile] = {};
+      const float* key = keys + (begin + j0) * dim;
+      for (int64_t d = 0; d < dim; ++d) {
+        const Lanes q0 = *reinterpret_cast<const Lanes*>(qt + d * lanes + v);
+        const Lanes q1 = *reinterpret_cast<const Lanes*>(qt + d * lanes + v + kLanes);
+#pragma GCC unroll 4
+        for (int64_t k = 0; k < kTile; ++k) {
+          const float x = key[k * dim + d];
+          low[k] += q0 * x;
+          high[k] += q1 * x;
+        }
+      }
+#pragma GCC unroll 4
+      for (int64_t k = 0; k < kTile; ++k) {
+        *reinterpret_cast<Lanes*>(scores + (j0 + k) * lanes + v) = low[k];
+        *reinterpret_cast<Lanes*>(scores + (j0 + k) * lanes + v + kLanes) = high[k];
+      }
+    }
+    for (; j0 < n; ++j0) {
+      Lanes low = {}, high = {};
+      const float* key = keys + (begin + j0) * dim;
+      for (int64_t d = 0; d < dim; ++d) {
+        low += *reinterpret_cast<const Lanes*>(qt + d * lanes + v) * key[d];
+        high += *reinterpret_cast<const Lanes*>(qt + d * lanes + v + kLanes) * key[d];
+      }
+      *reinterpret_cast<Lanes*>(scores + j0 * lanes + v) = low;
+      *reinterpret_cast<Lanes*>(scores + j0 * lanes + v + kLanes) = high;
+    }
+  }
+  const Lanes none = splat(-INFINITY);
+  for (int64_t v = 0; v < lanes; v += kLanes) {  // scale, mask, then exp(score - the largest), by lanes
+    const LaneInts limit = *reinterpret_cast<const LaneInts*>(limits + v);
+    Lanes top = none;
+    for (int64_t j = 0; j < n; ++j) {
+      Lanes& row = *reinterpret_cast<Lanes*>(scores + j * lanes + v);
+      const LaneInts key = LaneInts{} + static_cast<int32_t>(begin + j);
+      row = key <= limit ? row * scale : none;
+      top = top < row ? row : top;
+    }
+    Lanes total = {};
+    for (int64_t j = 0; j < n; ++j) {
+      Lanes& row = *reinterpret_cast<Lanes*>(scores + j * lanes + v);
+      row = row == none ? Lanes{} : exp_lanes(row - top);
+      total += row;
+    }
+    *reinterpret_cast<Lanes*>(m + v) = top;
+    *reinterpret_cast<Lanes*>(l + v) = total;
+  }
+  for (int64_t v = 0; v < lanes; v += 2 * kLanes) {
+    for (int64_t d0 = 0; d0 < dim; d0 += kTile) {
+      Lanes low[kTile] = {}, high[kTile] = {};
+      for (int64_t j = 0; j < n; ++j) {
+        const Lanes p0 = *reinterpret_cast<const Lanes*>(scores + j * lanes + v);
+        const Lanes p1 = *reinterpret_cast<const Lanes*>(scores + j * lanes + v + kLanes);
+        const float* value = values + (begin + j) * dim + d0;
+#pragma GCC unroll 4
+        for (int64_t k = 0; k < kTile; ++k) {
+          low[k] += p0 * value[k];
+          high[k] += p1 * value[k];
+        }
+      }
+#pragma GCC unroll 4
+      for (int64_t k = 0; k < kTile; ++k) {
+        *reinterpret_cast<Lanes*>(acc + (d0 + k) * lanes + v) = low[k];
+        *reinterpret_cast<Lanes*>(acc + (d0 + k) * lanes + v + kLanes) = high[k];
+      }
+    }
   }
 }
 
@@ -192,39 +300,85 @@ struct RowCache {
   int64_t n;
 };
 
-// One query per row (query [rows, q_heads, 1, dim], dim contiguous) over each row's own keys and values, into
-// out [rows, 1, q_heads, dim]. A row longer than kLongRow goes to ATen's flash kernel over `long_row(r)`'s keys
-// and values; the rest, (row, key-value head) pairs, are shared among the threads: each pair is computed by the
-// same code whichever thread takes it, so neither the split nor the batch can change a bit.
-template <typename LongRow>
+// One row's key-value head over keys begin..end, and where its results start among all units'.
+struct Unit {
+  int64_t row, head, begin, end, first;  // first: index of the row's head's first unit
+};
+
+// query [rows, q_heads, t, dim] (dim contiguous): each row's t new tokens, the last t of its cache's n keys,
+// query i seeing keys 0..n - t + i. Out: [rows, t, q_heads, dim]. A unit's queries: the group of query heads
+// sharing its key-value head, times the t tokens (lane g * t + i).
 void attend(const at::Tensor& query, const std::vector<RowCache>& rows, int64_t kv_heads, double scaling,
-            at::Tensor& out, LongRow long_row) {
-  const int64_t q_heads = query.size(1), dim = query.size(3), group = q_heads / kv_heads;
-  const float* q = query.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  const float scale = static_cast<float>(scaling);
-  auto kernel = dim == 64 ? attend_group<64> : dim == 128 ? attend_group<128> : attend_group<0>;
-  std::vector<int64_t> short_rows;
+            at::Tensor& out) {
+  const int64_t q_heads = query.size(1), t = query.size(2), dim = query.size(3), group = q_heads / kv_heads;
+  TORCH_CHECK(t == 1 || dim % 4 == 0, "llmserve: attention over several tokens needs a head size in 4s");
+  const int64_t queries = group * t, lanes = t == 1 ? group : (queries + 2 * kLanes - 1) / (2 * kLanes) * 2 * kLanes;
+  const int64_t width = lanes * (dim + 2);  // a unit's m, l and acc
+  std::vector<Unit> units;
   for (int64_t r = 0; r < static_cast<int64_t>(rows.size()); ++r) {
-    if (rows[r].n <= kLongRow) {
-      short_rows.push_back(r);
-      continue;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t first = static_cast<int64_t>(units.size());
+      for (int64_t begin = 0; begin < rows[r].n; begin += kSplit) {
+        units.push_back({r, h, begin, std::min(begin + kSplit, rows[r].n), first});
+      }
     }
-    auto [keys, values] = long_row(r);  // ATen's kernel, on all threads; a row's kernel depends on its length only
-    at::Tensor alone = at::scaled_dot_product_attention(query.narrow(0, r, 1), keys, values, {}, 0.0, false, scaling,
-                                                        true);
-    out.narrow(0, r, 1).copy_(alone.transpose(1, 2));
   }
-  const int64_t pairs = static_cast<int64_t>(short_rows.size()) * kv_heads;
-  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t r = short_rows[p / kv_heads], h = p % kv_heads;
-      const RowCache& row = rows[r];
-      scores.resize(group * row.n);
-      kernel(q + r * query.stride(0) + h * group * query.stride(1), query.stride(1), group,
-             row.keys + h * row.key_stride, row.values + h * row.value_stride, dim, row.n, dim, scale,
-             o + (r * q_heads + h * group) * dim, dim, scores.data());
+  std::vector<float> results(units.size() * width);
+  const float* q = query.data_ptr<float>();
+  const float scale = static_cast<float>(scaling);
+  auto one = dim == 64 ? attend_one<64> : dim == 128 ? attend_one<128> : attend_one<0>;
+  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t from, int64_t to) {
+    std::vector<float> scores(kSplit * lanes), qt(t == 1 ? 0 : dim * lanes);
+    std::vector<int32_t> limits(lanes);
+    for (int64_t u = from; u < to; ++u) {
+      const Unit& unit = units[u];
+      const RowCache& row = rows[unit.row];
+      const float* head_q = q + unit.row * query.stride(0) + unit.head * group * query.stride(1);
+      float* m = results.data() + u * width;
+      float *l = m + lanes, *acc = l + lanes;
+      const float *keys = row.keys + unit.head * row.key_stride, *values = row.values + unit.head * row.value_stride;
+      if (t == 1) {
+        one(head_q, query.stride(1), group, keys, values, unit.begin, unit.end, dim, scale, scores.data(), m, l, acc);
+        continue;
+      }
+      for (int64_t L = 0; L < lanes; ++L) {
+        const int64_t g = std::min(L, queries - 1) / t, i = std::min(L, queries - 1) % t;
+        limits[L] = static_cast<int32_t>(row.n - t + i);
+        for (int64_t d = 0; d < dim; ++d) {
+          qt[d * lanes + L] = L < queries ? head_q[g * query.stride(1) + i * query.stride(2) + d] : 0.0f;
+        }
+      }
+      attend_block(qt.data(), lanes, keys, values, unit.begin, unit.end, dim, limits.data(), scale, scores.data(), m,
+                   l, acc);
+    }
+  });
+  // Each (row, head)'s units in key order: exp(m - top) rescales each to the largest score of all.
+  float* o = out.data_ptr<float>();
+  const int64_t channel = t == 1 ? 1 : lanes, lane_step = t == 1 ? dim : 1;  // acc's layout by kernel
+  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t from, int64_t to) {
+    std::vector<float> sum(dim);
+    for (int64_t u = from; u < to; ++u) {
+      if (units[u].first != u) continue;
+      const Unit& unit = units[u];
+      int64_t last = u;
+      while (last + 1 < static_cast<int64_t>(units.size()) && units[last + 1].first == u) ++last;
+      for (int64_t L = 0; L < queries; ++L) {
+        const int64_t g = L / t, i = L % t;
+        float* target = o + ((unit.row * t + i) * q_heads + unit.head * group + g) * dim;
+        float top = -INFINITY;
+        for (int64_t s = u; s <= last; ++s) top = std::max(top, results[s * width + L]);
+        float total = 0.0f;
+        std::fill(sum.begin(), sum.end(), 0.0f);
+        for (int64_t s = u; s <= last; ++s) {
+          const float* m = results.data() + s * width;
+          const float* acc = m + 2 * lanes + L * lane_step;
+          const float w = m[L] == -INFINITY ? 0.0f : exp_poly(m[L] - top);
+          total += w * m[lanes + L];
+          for (int64_t d = 0; d < dim; ++d) sum[d] += w * acc[d * channel];
+        }
+        const float inverse = 1.0f / total;
+        for (int64_t d = 0; d < dim; ++d) target[d] = sum[d] * inverse;
+      }
     }
   });
 }
@@ -258,7 +412,7 @@ at::Tensor decode_attention(const at::Tensor& query, at::TensorList keys, at::Te
                       keys[r].size(2)});
   }
   at::Tensor out = at::empty({rows, 1, q_heads, dim}, q.options());
-  attend(q, caches, kv_heads, scaling, out, [&](int64_t r) { return std::make_pair(keys[r], values[r]); });
+  attend(q, caches, kv_heads, scaling, out);
   return out;
 }
 
@@ -345,30 +499,30 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> write_rows(at::Tens
   return {row_keys, row_values};
 }
 
-// A decode step's cache write and attention in one call: each row's new key and value (keys, values
-// [rows, kv_heads, 1, dim]) written after its lengths[r] tokens, then its query attended over its buffers' first
-// lengths[r] + 1 tokens, read in place: no view per row and layer (a decode step at 16 rows made 960 of them).
-// The same numbers as write_rows then decode_attention.
+// A forward's cache write and attention in one call: each row's t new keys and values (keys, values
+// [rows, kv_heads, t, dim]) written after its lengths[r] tokens, then its t queries attended over its buffers,
+// query i over the first lengths[r] + i + 1 tokens, read in place: no view per row and layer (a decode step at
+// 16 rows made 960 of them). With t = 1, the same numbers as write_rows then decode_attention.
 at::Tensor write_and_attend(const at::Tensor& query, at::TensorList key_buffers, at::TensorList value_buffers,
                             at::IntArrayRef lengths, const at::Tensor& keys, const at::Tensor& values,
                             double scaling) {
-  const at::Tensor q = query_of(query);
-  TORCH_CHECK(keys.size(2) == 1 && keys.size(0) == q.size(0) && keys.size(3) == q.size(3) &&
-                  q.size(1) % keys.size(1) == 0,
-              "llmserve::write_and_attend takes one new token per row, with the query's head size");
+  TORCH_CHECK(query.dim() == 4 && query.scalar_type() == at::kFloat && query.size(0) > 0 && keys.dim() == 4 &&
+                  keys.size(0) == query.size(0) && keys.size(2) == query.size(2) && keys.size(3) == query.size(3) &&
+                  query.size(1) % keys.size(1) == 0,
+              "llmserve::write_and_attend takes float32 queries, keys and values of the same rows, tokens and "
+              "head size");
+  const at::Tensor q = query.stride(3) == 1 ? query : query.contiguous();
   copy_rows(key_buffers, value_buffers, lengths, keys, values);
-  const int64_t rows = q.size(0), kv_heads = keys.size(1), dim = q.size(3);
+  const int64_t rows = q.size(0), kv_heads = keys.size(1), added = keys.size(2), dim = q.size(3);
   std::vector<RowCache> caches;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t room = key_buffers[r].size(2);
     TORCH_CHECK(value_buffers[r].size(2) == room, "llmserve::write_and_attend: row ", r, "'s buffers differ");
     caches.push_back({key_buffers[r].data_ptr<float>(), value_buffers[r].data_ptr<float>(), room * dim, room * dim,
-                      lengths[r] + 1});
+                      lengths[r] + added});
   }
-  at::Tensor out = at::empty({rows, 1, q.size(1), dim}, q.options());
-  attend(q, caches, kv_heads, scaling, out, [&](int64_t r) {
-    return std::make_pair(key_buffers[r].narrow(2, 0, lengths[r] + 1), value_buffers[r].narrow(2, 0, lengths[r] + 1));
-  });
+  at::Tensor out = at::empty({rows, added, q.size(1), dim}, q.options());
+  attend(q, caches, kv_heads, scaling, out);
   return out;
 }
 

@@ -197,7 +197,9 @@ class Int8LlamaLayer(nn.Module):
         """Attention of one part, from its fused projections ([rows * length, (q + 2 kv heads) * head_dim])."""
         heads = native.ops.heads if self.native else scripted.heads
         query, key, value = heads(qkv, rows, length, self.head_dim, self.q_heads, self.kv_heads, cos, signed_sin)
-        if self.native and length == 1 and cache is not None and isinstance(cache.layers[self.layer_idx], RaggedLayer):
+        if self.native and cache is not None and isinstance(cache.layers[self.layer_idx], RaggedLayer):
+            # A ragged row has no padding: token i of the part sees its row's cache and the part up to i, which
+            # is what the mask says (worker/forward.py's causal_mask)
             return cache.layers[self.layer_idx].write_and_attend(query, key, value, self.scaling)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx, {"native": self.native})
