@@ -10,6 +10,7 @@ from common.settings import Settings
 from worker.cache import new_cache
 from worker.forward import Part, causal_mask, forward_parts
 from worker.model import LoadedModel, load_model
+from worker.quant import takes_blocks_together
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +19,7 @@ def loaded() -> LoadedModel:
 
 
 def ids(loaded: LoadedModel, text: str, n: int) -> torch.Tensor:
-    tokens = loaded.tokenizer(text * 20)["input_ids"][:n]
+    tokens = loaded.tokenizer(text * (n // 4))["input_ids"][:n]
     assert len(tokens) == n
     return torch.tensor([tokens])
 
@@ -74,3 +75,33 @@ def test_a_block_after_cached_tokens_sees_them_and_the_tokens_before_it_only() -
                                    [True, True, True, True, True]]
     assert causal_mask(Part(part.ids, part.positions, None)) is None  # a first block: plainly causal
     assert causal_mask(Part(part.ids[:, :1], part.positions[:, :1], None, depth=7)) is None  # a decode step
+
+
+def test_blocks_in_one_forward_are_each_block_s_own_forward_bit_for_bit(loaded: LoadedModel) -> None:
+    """A prefill step may take several blocks of a group in one forward (worker/engine.py): every number of a
+    token, its logits and its keys and values, is the one its own block's forward gives, whether the blocks
+    start after cached tokens or not, and past 256 keys (the attention's runs)."""
+    if not takes_blocks_together(loaded.model):
+        pytest.skip("the compiled layer (worker/native.cpp) does not build here")
+    tokens = torch.cat([ids(loaded, "The sea is calm tonight. ", 304), ids(loaded, "Bread and cakes daily. ", 304)])
+
+    @torch.inference_mode()
+    def prefill(spans: list[tuple[int, int]], last: torch.Tensor | None = None) -> tuple[list[torch.Tensor], object]:
+        cache, logits = new_cache(loaded.model.config, ragged=True, capacity=400), []
+        for start, stop in spans:
+            part = Part(tokens[:, start:stop], torch.arange(start, stop).expand(2, stop - start), cache, depth=start,
+                        last=last if stop == 304 else None)
+            logits += forward_parts(loaded.model, [part])
+        return logits, cache
+
+    blocks = [(start, start + 16) for start in range(0, 304, 16)]
+    one_by_one, cache_a = prefill(blocks)
+    # 3 blocks; 1; 12 alone; 3, where row 0 wants the logits of the first block's last token (its prompt's end)
+    together, cache_b = prefill([(0, 48), (48, 64), *blocks[4:16], (256, 304)], last=torch.tensor([15, 47]))
+    assert torch.equal(together[0], one_by_one[2])  # token 47, both rows
+    assert torch.equal(together[-1][0], one_by_one[-3][0])  # token 271
+    assert torch.equal(together[-1][1], one_by_one[-1][1])  # token 303
+    for layer_a, layer_b in zip(cache_a.layers, cache_b.layers, strict=True):
+        assert layer_a.rows.lengths == layer_b.rows.lengths == [304, 304]
+        for row in range(2):
+            assert all(torch.equal(x, y) for x, y in zip(layer_a.row(row), layer_b.row(row), strict=True))

@@ -18,7 +18,7 @@ from llmserve.bench.workload import Lengths, make_jobs
 from scheduler.policy import EXPECTED_LIMIT, EXPECTED_TTL, Queued, WaitingQueue, WorkerState, choose, plan
 from tests.conftest import RunningStack, wait_for
 from worker.core import StepOutput
-from worker.engine import Engine
+from worker.engine import DEFAULT_CHUNK, IDLE_PASS_TOKENS, Engine
 from worker.model import LoadedModel, load_model
 from worker.prefix import HeldPrefixes, PrefixStore, block_digests
 
@@ -150,18 +150,22 @@ def test_a_long_prompt_is_prefilled_alongside_decode_steps_and_a_short_one_overt
     assert firsts["short"] < firsts["long"] == blocks  # one more block: the short one went first
 
 
-def test_without_a_running_batch_prefill_steps_follow_each_other(loaded: LoadedModel) -> None:
+def test_without_a_running_batch_prefill_steps_follow_each_other_and_take_more_than_a_chunk(
+        loaded: LoadedModel) -> None:
     engine = Engine(loaded, 16, prefix_bytes=0)
-    prompt = chat(loaded, QUESTIONS[1])
+    prompt = chat(loaded, " ".join([QUESTIONS[1]] * 12))
     engine.add("x", prompt, SCORED)
-    blocks = -(-len(prompt) // engine.block)
-    kinds = [engine.step().kind for _ in range(blocks + 1)]
-    assert kinds == ["prefill"] * blocks + ["decode"]
+    steps = -(-len(prompt) // IDLE_PASS_TOKENS)  # no stream waits on them: up to IDLE_PASS_TOKENS each
+    assert steps >= 2 and IDLE_PASS_TOKENS > DEFAULT_CHUNK
+    kinds = [engine.step().kind for _ in range(steps + 1)]
+    assert kinds == ["prefill"] * steps + ["decode"]
 
 
 def test_cancelling_a_prompt_mid_prefill_leaves_its_group_mates_exact(loaded: LoadedModel) -> None:
     engine = Engine(loaded, 16, prefix_bytes=0)
-    a, b = chat(loaded, QUESTIONS[0]), chat(loaded, QUESTIONS[2])
+    # longer than a prefill step takes with nothing running (IDLE_PASS_TOKENS)
+    a, b = chat(loaded, " ".join([QUESTIONS[0]] * 12)), chat(loaded, " ".join([QUESTIONS[2]] * 12))
+    assert min(len(a), len(b)) > IDLE_PASS_TOKENS
     engine.add("a", a, SCORED)
     engine.add("b", b, SCORED)
     engine.step()

@@ -7,7 +7,9 @@ together at one depth form a group that advances together, a chunk of blocks per
 prompt arrives across steps interleaved with decode steps of the running batch; for the int8 Llama a chunk
 rides in the decode step itself, one pass over both (worker/forward.py). Each forward has the shape
 [rows, block] over a cache without padding, and the kernels compute its rows independently: a block's keys
-and values depend only on the tokens up to its end. So a prompt whose leading blocks are in the prefix cache
+and values depend only on the tokens up to its end. The compiled int8 layer computes every token of a run of
+blocks as its own block's forward would (worker/quant.py's takes_blocks_together), so there a chunk is one
+forward, and with nothing running a prefill step takes up to IDLE_PASS_TOKENS. So a prompt whose leading blocks are in the prefix cache
 (worker/prefix.py) takes them from there and computes the rest exactly as it would have, and neither the
 cache, nor the chunking, nor group-mates change a bit of its output.
 
@@ -51,7 +53,7 @@ from worker.forward import Part, forward_parts
 from worker.grammar import LLMatcher
 from worker.model import LoadedModel
 from worker.prefix import HeldPrefixes, PrefixStore, block_digests
-from worker.quant import takes_rows_alone
+from worker.quant import takes_blocks_together, takes_rows_alone
 from worker.sampling import Logprobs, new_generator, sample
 from worker.stops import StopMatcher
 
@@ -150,6 +152,8 @@ class _Prefill:
 DEFAULT_BLOCK_CPU = 16
 DEFAULT_BLOCK_CUDA = 256
 DEFAULT_CHUNK = Settings.prefill_chunk
+# Prompt tokens a prefill step may take while no sequence is running.
+IDLE_PASS_TOKENS = 256
 DEFAULT_PREFIX_BYTES = Settings.prefix_cache_bytes
 
 
@@ -170,6 +174,9 @@ class Engine:
         # Blocks can be padded, cut out and put back only where every cache layer holds plain keys and values
         # of every token; otherwise (sliding windows...) a group is one row and its last block unpadded.
         self.exact_blocks = all_plain(self._new_cache())
+        # Whether a forward may take several blocks of a group: each token's every number as in its block's own
+        # forward (the compiled int8 layer); other kernels' results may depend on the forward's shape.
+        self.blocks_together = self.exact_blocks and takes_blocks_together(loaded.model)
         self.store: PrefixStore[torch.Tensor] | None = (
             PrefixStore(prefix_bytes) if prefix_bytes and self.exact_blocks else None)
         self.routing = HeldPrefixes(self.store, self.block) if self.store is not None else None
@@ -282,13 +289,14 @@ class Engine:
 
     def _mixed_step(self) -> list[StepOutput]:
         group, batch = self._next_group(), self.batch
-        block_part = self._block_part(group)
-        decode_logits, block_logits = forward_parts(self.loaded.model, [self._decode_part(batch), block_part])
+        blocks = self._pass_blocks(group, self.chunk_blocks)
+        chunk_part = self._chunk_part(group, blocks)
+        decode_logits, chunk_logits = forward_parts(self.loaded.model, [self._decode_part(batch), chunk_part])
         batch.positions = batch.positions + 1
-        group.depth += block_part.ids.shape[1]
+        group.depth += chunk_part.ids.shape[1]
         outputs = self._advance(decode_logits, first_row=0)
-        outputs += self._after_block(group, block_logits)
-        return outputs + self._advance_group(group, self.chunk_blocks - 1)
+        outputs += self._after_chunk(group, chunk_logits, blocks)
+        return outputs + self._advance_group(group, self.chunk_blocks - blocks)
 
     def _start_prefills(self) -> None:
         """Move waiting sequences, as slots allow, into prefill groups at the depth of their cached prefix.
@@ -330,7 +338,9 @@ class Engine:
             while self.prefills:
                 outputs += self._advance_group(self.prefills[0], blocks=None)
             return outputs
-        return self._advance_group(self._next_group(), self.chunk_blocks)
+        # With nothing running, no stream waits on this step: a longer one costs only the other prefills a pass.
+        blocks = self.chunk_blocks if self.batch else max(self.chunk_blocks, IDLE_PASS_TOKENS // self.block)
+        return self._advance_group(self._next_group(), blocks)
 
     def _next_group(self) -> _Prefill:
         """Turns alternate: the group nearest its end (a short prompt need not wait behind a long one), then
@@ -344,15 +354,23 @@ class Engine:
         outputs: list[StepOutput] = []
         done = 0
         while group.sequences and (blocks is None or done < blocks):
-            outputs += self._after_block(group, self._forward_block(group))
-            done += 1
+            count = self._pass_blocks(group, IDLE_PASS_TOKENS // self.block if blocks is None else blocks - done)
+            outputs += self._after_chunk(group, self._forward_chunk(group, count), count)
+            done += count
         if not group.sequences and group in self.prefills:
             self.prefills.remove(group)
         return outputs
 
-    def _after_block(self, group: _Prefill, logits: torch.Tensor) -> list[StepOutput]:
-        """After the next block of every row of `group`: rows whose prompts end in it join the running batch."""
-        self._store_block(group)
+    def _pass_blocks(self, group: _Prefill, most: int) -> int:
+        """Blocks of `group` one forward takes: up to `most` (and the group's end) where the layers compute a
+        run of blocks as each block's own forward would, else one."""
+        return max(1, min(most, group.remaining(self.block))) if self.blocks_together else 1
+
+    def _after_chunk(self, group: _Prefill, logits: torch.Tensor, blocks: int) -> list[StepOutput]:
+        """After the next `blocks` blocks of every row of `group`: rows whose prompts end in them join the
+        running batch."""
+        for index in range(group.depth // self.block - blocks, group.depth // self.block):
+            self._store_block(group, index)
         ended = [r for r, s in enumerate(group.sequences) if len(s.prompt_ids) <= group.depth]
         if not ended:
             return []
@@ -360,10 +378,10 @@ class Engine:
         group.select([r for r in range(len(group.sequences)) if r not in ended])
         return self._join(joiners)
 
-    def _forward_block(self, group: _Prefill) -> torch.Tensor:
-        """Forward [rows, block] tokens at positions depth..; returns each row's logits at its last token in
-        the block (a row's last block is padded after its end, which causal attention keeps out of it)."""
-        part = self._block_part(group)
+    def _forward_chunk(self, group: _Prefill, blocks: int) -> torch.Tensor:
+        """Forward [rows, blocks * block] tokens at positions depth..; returns each row's logits at its last
+        token in them (a row's last block is padded after its end, which causal attention keeps out of it)."""
+        part = self._chunk_part(group, blocks)
         logits = self._forward(part, lambda: torch.ones(part.ids.shape[0], part.depth + part.ids.shape[1],
                                                         dtype=torch.long, device=part.ids.device))
         group.depth += part.ids.shape[1]
@@ -378,8 +396,8 @@ class Engine:
         return self.loaded.model(input_ids=part.ids, attention_mask=mask(), position_ids=part.positions,
                                  cache=part.cache, use_cache=True, logits_to_keep=keep).logits[:, -1]
 
-    def _block_part(self, group: _Prefill) -> Part:
-        """The inputs of `group`'s next block (its cache made at the first)."""
+    def _chunk_part(self, group: _Prefill, blocks: int) -> Part:
+        """The inputs of `group`'s next `blocks` blocks (its cache made at the first)."""
         device, depth = self.loaded.device, group.depth
         if group.cache is None:
             # Room for the longest prompt, its padding and the first tokens after it: no copy while prefilling.
@@ -388,19 +406,18 @@ class Engine:
             group.cache = stacked_cache(config, group.restored, self.ragged, room) if group.restored \
                 else new_cache(config, self.ragged, room)
             group.restored = []
-        pieces = [s.prompt_ids[depth:depth + self.block] for s in group.sequences]
-        width = self.block if self.exact_blocks else len(pieces[0])
+        pieces = [s.prompt_ids[depth:depth + blocks * self.block] for s in group.sequences]
+        width = blocks * self.block if self.exact_blocks else len(pieces[0])
         pad = self.loaded.eos_token_ids[0]
         ids = torch.tensor([piece + [pad] * (width - len(piece)) for piece in pieces], device=device)
         positions = torch.arange(depth, depth + width, device=device).expand(len(pieces), width)
         last = torch.tensor([len(piece) - 1 for piece in pieces], device=device)
         return Part(ids, positions, group.cache, depth, last)
 
-    def _store_block(self, group: _Prefill) -> None:
-        """Put the block just computed of each row whose prompt fills it into the prefix cache."""
+    def _store_block(self, group: _Prefill, index: int) -> None:
+        """Put block `index`, computed, of each row whose prompt fills it into the prefix cache."""
         if self.store is None:
             return
-        index = group.depth // self.block - 1
         start = index * self.block
         for row, sequence in enumerate(group.sequences):
             if index < len(sequence.digests) and sequence.digests[index] not in self.store:

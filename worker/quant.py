@@ -230,6 +230,14 @@ def _fusable(model: nn.Module) -> bool:
             and not config.attention_bias and (config.rope_parameters or {}).get("rope_type") == "default")
 
 
+def takes_blocks_together(model: nn.Module) -> bool:
+    """Whether a forward over several blocks of a prompt gives each token the very numbers of its own block's
+    forward: every layer compiled (worker/native.cpp), whose products take each token alone and whose attention
+    computes each query in its own vector lane, over runs of keys fixed from the first key, the keys it must not
+    see adding exact zeros."""
+    return takes_rows_alone(model) and all(layer.native for layer in model.model.layers)
+
+
 def takes_rows_alone(model: nn.Module) -> bool:
     """Whether every decoder layer is an `Int8LlamaLayer`, whose attention takes each row's own keys and
     values: its cache may then hold rows side by side without padding (worker/cache.py)."""
