@@ -9,9 +9,9 @@ rides in the decode step itself, one pass over both (worker/forward.py). Each fo
 [rows, block] over a cache without padding, and the kernels compute its rows independently: a block's keys
 and values depend only on the tokens up to its end. The compiled int8 layer computes every token of a run of
 blocks as its own block's forward would (worker/quant.py's takes_blocks_together), so there a chunk is one
-forward, and with nothing running a prefill step takes up to IDLE_PASS_TOKENS. So a prompt whose leading blocks are in the prefix cache
-(worker/prefix.py) takes them from there and computes the rest exactly as it would have, and neither the
-cache, nor the chunking, nor group-mates change a bit of its output.
+forward, and with nothing running a prefill step takes up to IDLE_PASS_TOKENS. So a prompt whose leading
+blocks are in the prefix cache (worker/prefix.py) takes them from there and computes the rest exactly as it
+would have, and neither the cache, nor the chunking, nor group-mates change a bit of its output.
 
 Decode. A finished prefill joins the running batch, whose KV cache lives across steps, each step feeding
 every sequence only its newest token; finished sequences leave at once. For the int8 Llama (the CPU default)
