@@ -253,3 +253,23 @@ def test_a_failed_build_falls_back_or_stops_the_worker(monkeypatch: pytest.Monke
     assert "c++: not found" in caplog.records[-1].error
     with pytest.raises(native.NativeError, match=r"did not build: RuntimeError: c\+\+: not found"):
         native.load("on")
+
+
+def test_a_hit_s_blocks_join_into_the_cache_as_the_torch_join_puts_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import LlamaConfig
+
+    from worker.cache import stacked_cache
+    config = LlamaConfig(num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(3)
+    rows = [[torch.randn(3, 2, 2, 16, 16) for _ in range(3)],
+            [torch.randn(3, 2, 2, 32, 16), torch.randn(3, 2, 2, 16, 16)]]  # the same length, other blocks
+    compiled = stacked_cache(config, rows, ragged=True, capacity=80)
+    monkeypatch.setattr(native, "loaded", lambda: False)
+    joined = stacked_cache(config, rows, ragged=True, capacity=80)
+    for mine, theirs in zip(compiled.layers, joined.layers, strict=True):
+        assert mine.rows.lengths == theirs.rows.lengths == [48, 48]
+        for row in range(2):
+            assert all(torch.equal(x, y) for x, y in zip(mine.row(row), theirs.row(row), strict=True))
+    assert torch.equal(compiled.layers[2].row(1)[1][:, :, 32:], rows[1][1][2, 1].unsqueeze(0))  # values, in order
+    with pytest.raises(RuntimeError, match="no room"):
+        ops.join_blocks(rows[0], [torch.zeros(2, 2, 40, 16)] * 3, [torch.zeros(2, 2, 40, 16)] * 3, 0)

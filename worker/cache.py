@@ -248,20 +248,26 @@ def filled_cache(config: PreTrainedConfig, keys_values: list[tuple[torch.Tensor,
 def stacked_cache(config: PreTrainedConfig, rows: list[list[torch.Tensor]], ragged: bool,
                   capacity: int = 0) -> DynamicCache:
     """A cache whose row r holds the blocks `rows[r]` one after another (each block [layers, 2 (keys, values),
-    heads, tokens, head_dim]; every row as long), with room for `capacity` tokens per row. Each layer's part of
-    a row is joined on its own and copied into buffers with room: a join of the whole row at once would take a
-    fresh allocation of the row's every layer, whose first touch costs more than the copies."""
+    heads, tokens, head_dim]; every row as long), with room for `capacity` tokens per row. The blocks are copied
+    straight into each layer's buffers (float32 on the CPU: worker/native.cpp's join_blocks, when loaded) or
+    joined layer by layer: a join of the whole row at once would take a fresh allocation of the row's every
+    layer, whose first touch costs more than the copies."""
     cache = new_cache(config, ragged, capacity)
     _, _, heads, _, dim = rows[0][0].shape
     length = sum(block.shape[3] for block in rows[0])
     room = max(capacity, length + ROOM)
     if ragged:
         cache.layers[0].rows.lengths = [length] * len(rows)
-    for index, layer in enumerate(cache.layers):
-        keys, values = (rows[0][0].new_empty((len(rows), heads, room, dim)) for _ in range(2))
-        for row, blocks in enumerate(rows):
+    stacks = [tuple(rows[0][0].new_empty((len(rows), heads, room, dim)) for _ in range(2)) for _ in cache.layers]
+    compiled = native.loaded() and rows[0][0].dtype == torch.float32 and rows[0][0].device.type == "cpu"
+    for row, blocks in enumerate(rows):
+        if compiled:  # the same copies in one call, the layers on all threads
+            native.ops.join_blocks(blocks, [keys for keys, _ in stacks], [values for _, values in stacks], row)
+            continue
+        for index, (keys, values) in enumerate(stacks):
             joined = torch.cat([block[index] for block in blocks], dim=2)
             keys[row, :, :length], values[row, :, :length] = joined[0], joined[1]
+    for layer, (keys, values) in zip(cache.layers, stacks, strict=True):
         layer.lazy_initialization(keys, values)
         if ragged:  # each row its own buffer: a view of one row of the stack
             layer.key_buffers, layer.value_buffers = list(keys.split(1)), list(values.split(1))

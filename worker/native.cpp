@@ -484,6 +484,47 @@ void copy_rows(at::TensorList key_buffers, at::TensorList value_buffers, at::Int
   }
 }
 
+// A prefix-cache hit's blocks (each [layers, 2 (keys, values), heads, tokens, dim], contiguous) one after another
+// into row `row` of every layer's keys and values ([rows, heads, room, dim], contiguous), the layers shared among
+// the threads: worker/cache.py's stacked_cache without a tensor per block and layer.
+void join_blocks(at::TensorList blocks, at::TensorList keys, at::TensorList values, int64_t row) {
+  const int64_t layers = static_cast<int64_t>(keys.size());
+  TORCH_CHECK(!blocks.empty() && static_cast<int64_t>(values.size()) == layers,
+              "llmserve::join_blocks needs blocks and every layer's keys and values");
+  const int64_t heads = keys[0].size(1), room = keys[0].size(2), dim = keys[0].size(3);
+  int64_t length = 0;
+  for (const auto& block : blocks) {
+    TORCH_CHECK(block.is_contiguous() && block.dim() == 5 && block.size(0) == layers && block.size(1) == 2 &&
+                    block.size(2) == heads && block.size(4) == dim && block.scalar_type() == at::kFloat,
+                "llmserve::join_blocks: a block does not fit the cache");
+    length += block.size(3);
+  }
+  for (const auto& tensor : {keys, values}) {
+    for (const auto& layer : tensor) {
+      TORCH_CHECK(layer.is_contiguous() && layer.scalar_type() == at::kFloat && layer.size(1) == heads &&
+                      layer.size(2) == room && layer.size(3) == dim && row >= 0 && row < layer.size(0),
+                  "llmserve::join_blocks: every layer's keys and values [rows, heads, room, dim], contiguous");
+    }
+  }
+  TORCH_CHECK(length <= room, "llmserve::join_blocks: the row has no room for its blocks");
+  at::parallel_for(0, layers, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t layer = begin; layer < end; ++layer) {
+      for (int64_t half = 0; half < 2; ++half) {
+        float* target = (half ? values : keys)[layer].data_ptr<float>() + row * heads * room * dim;
+        int64_t start = 0;
+        for (const auto& block : blocks) {
+          const int64_t tokens = block.size(3);
+          const float* source = block.data_ptr<float>() + (layer * 2 + half) * heads * tokens * dim;
+          for (int64_t h = 0; h < heads; ++h) {
+            std::memcpy(target + (h * room + start) * dim, source + h * tokens * dim, tokens * dim * sizeof(float));
+          }
+          start += tokens;
+        }
+      }
+    }
+  });
+}
+
 // copy_rows, then each row's keys and values so far, views of its buffers (worker/scripted.py's write_rows).
 std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> write_rows(at::TensorList key_buffers,
                                                                         at::TensorList value_buffers,
@@ -588,6 +629,7 @@ TORCH_LIBRARY(llmserve, m) {
   m.def("write_rows(Tensor[] key_buffers, Tensor[] value_buffers, int[] lengths, Tensor keys, Tensor values) "
         "-> (Tensor[], Tensor[])",
         &write_rows);
+  m.def("join_blocks(Tensor[] blocks, Tensor[] keys, Tensor[] values, int row) -> ()", &join_blocks);
   m.def("decode_attention(Tensor query, Tensor[] keys, Tensor[] values, float scaling) -> Tensor", &decode_attention);
   m.def("write_and_attend(Tensor query, Tensor[] key_buffers, Tensor[] value_buffers, int[] lengths, Tensor keys, "
         "Tensor values, float scaling) -> Tensor",

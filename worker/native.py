@@ -70,6 +70,11 @@ def load(mode: str = "auto") -> bool:
     return _build.loaded
 
 
+def loaded() -> bool:
+    """Whether the kernels are loaded (by an earlier load())."""
+    return _build is not None and _build.loaded
+
+
 def _compile() -> _Build:
     try:
         from torch.utils import cpp_extension
