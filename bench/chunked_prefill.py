@@ -87,6 +87,7 @@ def main() -> None:
     parser.add_argument("--gap", type=float, default=3.0, help="seconds between long prompts")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--blocks", default="", help="more chunked runs: PREFILL_BLOCK sizes, a comma list")
+    parser.add_argument("--out", type=Path, default=RESULTS / "chunked_prefill.json")
     args = parser.parse_args()
     args.modes = dict(MODES)
     for size in filter(None, args.blocks.split(",")):
@@ -112,7 +113,7 @@ def main() -> None:
                         "gap_s": args.gap, "threads": args.threads, "prefill_block_and_chunk": args.modes,
                         "greedy": True},
               "summary": summary, "runs": runs}
-    (RESULTS / "chunked_prefill.json").write_text(json.dumps(result, indent=2) + "\n")
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
 
 
