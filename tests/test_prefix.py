@@ -161,6 +161,21 @@ def test_without_a_running_batch_prefill_steps_follow_each_other_and_take_more_t
     assert kinds == ["prefill"] * steps + ["decode"]
 
 
+def test_one_forward_takes_at_most_idle_pass_tokens_over_the_rows_of_its_group(loaded: LoadedModel) -> None:
+    """The compiled attention keeps partial results per row, key run and query: rows times tokens is bounded."""
+    engine = Engine(loaded, 32, prefix_bytes=0, chunk=4096)
+    if not engine.blocks_together:
+        pytest.skip("the compiled layer (worker/native.cpp) does not build here")
+    prompt = chat(loaded, " ".join([QUESTIONS[1]] * 12))
+    for rows in (1, 4, 32):
+        engine.abort_all()
+        for row in range(rows):
+            engine.add(f"r{row}", prompt, SCORED)
+        engine._start_prefills()
+        (group,) = engine.prefills
+        assert engine._pass_blocks(group, 4096) == max(1, IDLE_PASS_TOKENS // (engine.block * rows))
+
+
 def test_cancelling_a_prompt_mid_prefill_leaves_its_group_mates_exact(loaded: LoadedModel) -> None:
     engine = Engine(loaded, 16, prefix_bytes=0)
     # longer than a prefill step takes with nothing running (IDLE_PASS_TOKENS)

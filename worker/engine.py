@@ -152,7 +152,7 @@ class _Prefill:
 DEFAULT_BLOCK_CPU = 16
 DEFAULT_BLOCK_CUDA = 256
 DEFAULT_CHUNK = Settings.prefill_chunk
-# Prompt tokens a prefill step may take while no sequence is running.
+# Prompt tokens a prefill step may take while no sequence is running, and one forward of several blocks at most.
 IDLE_PASS_TOKENS = 256
 DEFAULT_PREFIX_BYTES = Settings.prefix_cache_bytes
 
@@ -363,8 +363,12 @@ class Engine:
 
     def _pass_blocks(self, group: _Prefill, most: int) -> int:
         """Blocks of `group` one forward takes: up to `most` (and the group's end) where the layers compute a
-        run of blocks as each block's own forward would, else one."""
-        return max(1, min(most, group.remaining(self.block))) if self.blocks_together else 1
+        run of blocks as each block's own forward would, else one. At most IDLE_PASS_TOKENS over all its rows:
+        the attention's working memory grows with rows times tokens."""
+        if not self.blocks_together:
+            return 1
+        fits = IDLE_PASS_TOKENS // (self.block * len(group.sequences))
+        return max(1, min(most, group.remaining(self.block), fits))
 
     def _after_chunk(self, group: _Prefill, logits: torch.Tensor, blocks: int) -> list[StepOutput]:
         """After the next `blocks` blocks of every row of `group`: rows whose prompts end in them join the
