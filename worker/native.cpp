@@ -138,7 +138,7 @@ at::Tensor int8_linear(const at::Tensor& input, int64_t weight, const std::optio
 
 // Attention is computed in units of one row's key-value head over a run of at most kSplit of its keys; a unit
 // leaves, for each of its queries, the largest score m, the sum l of exp(score - m) and the sum acc of
-// exp(score - m) * value, and `merge` combines a row's units in key order. A unit's work depends only on its
+// exp(score - m) * value, and `attend` then combines a row's units in key order. A unit's work depends only on its
 // own row, so neither the batch nor the threads change a bit, and a long row's keys are shared among the
 // threads (a single stream's decode step, a prompt deep in a long context).
 constexpr int64_t kSplit = 256;
@@ -300,9 +300,9 @@ struct RowCache {
   int64_t n;
 };
 
-// One row's key-value head over keys begin..end, and where its results start among all units'.
+// One row's key-value head over keys begin..end.
 struct Unit {
-  int64_t row, head, begin, end, first;  // first: index of the row's head's first unit
+  int64_t row, head, begin, end;
 };
 
 // query [rows, q_heads, t, dim] (dim contiguous): each row's t new tokens, the last t of its cache's n keys,
@@ -315,14 +315,16 @@ void attend(const at::Tensor& query, const std::vector<RowCache>& rows, int64_t 
   const int64_t queries = group * t, lanes = t == 1 ? group : (queries + 2 * kLanes - 1) / (2 * kLanes) * 2 * kLanes;
   const int64_t width = lanes * (dim + 2);  // a unit's m, l and acc
   std::vector<Unit> units;
+  std::vector<int64_t> firsts;  // each (row, head)'s first unit, then the end of the last
   for (int64_t r = 0; r < static_cast<int64_t>(rows.size()); ++r) {
     for (int64_t h = 0; h < kv_heads; ++h) {
-      const int64_t first = static_cast<int64_t>(units.size());
+      firsts.push_back(static_cast<int64_t>(units.size()));
       for (int64_t begin = 0; begin < rows[r].n; begin += kSplit) {
-        units.push_back({r, h, begin, std::min(begin + kSplit, rows[r].n), first});
+        units.push_back({r, h, begin, std::min(begin + kSplit, rows[r].n)});
       }
     }
   }
+  firsts.push_back(static_cast<int64_t>(units.size()));
   std::vector<float> results(units.size() * width);
   const float* q = query.data_ptr<float>();
   const float scale = static_cast<float>(scaling);
@@ -355,13 +357,11 @@ void attend(const at::Tensor& query, const std::vector<RowCache>& rows, int64_t 
   // Each (row, head)'s units in key order: exp(m - top) rescales each to the largest score of all.
   float* o = out.data_ptr<float>();
   const int64_t channel = t == 1 ? 1 : lanes, lane_step = t == 1 ? dim : 1;  // acc's layout by kernel
-  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t from, int64_t to) {
+  at::parallel_for(0, static_cast<int64_t>(firsts.size()) - 1, 1, [&](int64_t from, int64_t to) {
     std::vector<float> sum(dim);
-    for (int64_t u = from; u < to; ++u) {
-      if (units[u].first != u) continue;
+    for (int64_t pair = from; pair < to; ++pair) {
+      const int64_t u = firsts[pair], last = firsts[pair + 1] - 1;
       const Unit& unit = units[u];
-      int64_t last = u;
-      while (last + 1 < static_cast<int64_t>(units.size()) && units[last + 1].first == u) ++last;
       for (int64_t L = 0; L < queries; ++L) {
         const int64_t g = L / t, i = L % t;
         float* target = o + ((unit.row * t + i) * q_heads + unit.head * group + g) * dim;
