@@ -202,7 +202,7 @@ def test_the_mlp_with_its_rotation_is_the_scripted_one_to_rounding_and_row_by_ro
 
 @pytest.fixture(scope="module")
 def int8_model() -> nn.Module:
-    return load_model(Settings(worker_threads=1)).model
+    return load_model(Settings(worker_threads=1, worker_quant="int8")).model
 
 
 def test_the_default_model_runs_the_kernels_and_agrees_with_the_scripted_layer(int8_model: nn.Module) -> None:

@@ -6,6 +6,7 @@ import ctypes
 import ctypes.util
 import functools
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass
 
@@ -15,11 +16,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from common import toolcalls
 from common.protocol import Detokenize, Submit, Tokenize, Tokens
 from common.settings import DEFAULT_MODEL, Settings
-from worker import native
+from worker import blocks, native
 from worker import quant as int8
 from worker.grammar import Grammars
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+log = logging.getLogger("worker")
 
 
 @dataclass
@@ -112,15 +115,43 @@ def _device_and_dtype(settings: Settings) -> tuple[torch.device, torch.dtype]:
 
 
 def _quant(settings: Settings, device: torch.device) -> str:
-    """`auto` is int8 on an x86 CPU (fast there, and batch-invariant: worker/quant.py) and none elsewhere."""
+    """`auto` on an x86 CPU is the GGUF file's own blocks where the model comes from one and the kernels load
+    (worker/blocks.py), else int8 (fast there, and batch-invariant: worker/quant.py); none elsewhere."""
     quant = settings.worker_quant
-    if quant not in ("auto", "int8", "none"):
-        raise ValueError(f"WORKER_QUANT must be auto, int8 or none, not {quant!r}")
+    if quant not in ("auto", "gguf", "int8", "none"):
+        raise ValueError(f"WORKER_QUANT must be auto, gguf, int8 or none, not {quant!r}")
+    if quant in ("gguf", "int8") and device.type != "cpu":
+        raise ValueError(f"WORKER_QUANT={quant} runs on CPU only; the device is {device}: use none")
+    if quant == "gguf" and not _gguf_path(settings):
+        raise ValueError("WORKER_QUANT=gguf needs a local GGUF file: MODEL a folder and MODEL_FILE its .gguf")
     if quant == "auto":
-        return "int8" if device.type == "cpu" and int8.supported() else "none"
-    if quant == "int8" and device.type != "cpu":
-        raise ValueError(f"WORKER_QUANT=int8 runs on CPU only (fbgemm kernels); the device is {device}: use none")
+        if device.type != "cpu":
+            return "none"
+        return "gguf" if _gguf_path(settings) else "int8" if int8.supported() else "none"  # (gguf may fall back)
     return quant
+
+
+def _take_blocks(model: PreTrainedModel, settings: Settings, kernels: bool) -> str:
+    """The GGUF file's blocks as the model's weights ('gguf'), or, where WORKER_QUANT=auto chose them and they
+    cannot serve (no kernels, or a file whose blocks are of other types), int8 with a warning that says why."""
+    try:
+        if not kernels:
+            raise blocks.BlockError(f"the compiled kernels are not loaded (WORKER_NATIVE={settings.worker_native})")
+        blocks.quantize_blocks(model, _gguf_path(settings))
+    except blocks.BlockError as error:
+        if settings.worker_quant == "gguf":
+            raise ValueError(f"WORKER_QUANT=gguf: {error}") from error
+        fallback = "int8" if int8.supported() else "none"
+        log.warning("the GGUF file's own blocks cannot serve", extra={"error": str(error), "quant": fallback})
+        return fallback
+    return "gguf"
+
+
+def _gguf_path(settings: Settings) -> str | None:
+    """The local GGUF file the weights come from, if they do."""
+    path, extra = _source(settings)
+    file = os.path.join(path, extra["gguf_file"]) if "gguf_file" in extra else ""
+    return file if os.path.isfile(file) else None
 
 
 def _return_freed_memory() -> None:
@@ -142,8 +173,12 @@ def load_model(settings: Settings) -> LoadedModel:
     quant = _quant(settings, device)  # before the slow part, so that a bad value fails at once
     tokenizer = AutoTokenizer.from_pretrained(path, **extra)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra).to(device).eval()
+    kernels = quant != "none" and native.load(settings.worker_native)
+    if quant == "gguf":
+        quant = _take_blocks(model, settings, kernels)
     if quant == "int8":
-        int8.quantize_int8(model, native=native.load(settings.worker_native))
+        int8.quantize_int8(model, native=kernels)
+    if quant != "none":
         _return_freed_memory()
     eos = model.generation_config.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [tokenizer.eos_token_id])

@@ -28,38 +28,18 @@
 #include <tuple>
 #include <vector>
 
+#include "native_math.h"
+
 namespace {
+
+using llmserve::exp_poly;
+using llmserve::exp_reduced;
 
 using Packed = c10::intrusive_ptr<LinearPackedParamsBase>;
 
 constexpr double kActScale = 1.0 / 127;  // worker/scripted.py's ACT_MAX and ACT_ZERO_POINT
 constexpr int64_t kActZeroPoint = 128;
 constexpr float kFloor = 1e-12f;  // worker/scripted.py's EPS
-
-// exp(x) for x in float range: 2^n times a polynomial on [-ln2/2, ln2/2] (Cephes' coefficients), a
-// couple of ulps from the exact value; plain arithmetic, so that loops over it vectorise. The polynomial of
-// x - n ln2 (ln2 in two parts), for a float or a vector of them (T{} + c: c in every lane).
-template <typename T>
-inline T exp_reduced(T x, T n) {
-  T r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  T p = T{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  return p * r * r + r + 1.0f;
-}
-
-inline float exp_poly(float x) {
-  x = std::min(88.0f, std::max(-87.0f, x));
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return exp_reduced(x, n) * scale;
-}
 
 // Each row of x [rows, k] divided by its largest magnitude (floored), into `scaled`; the row maxima into
 // `rowmax`, and with `norm_eps` >= 0 each times RMSNorm's factor 1 / sqrt(mean(x^2) + eps) (the norm only
@@ -597,6 +577,13 @@ void silu_mul_rotate(const float* x, float* out, int64_t rows, int64_t width, in
   }
 }
 
+// silu_mul_rotate with the rows shared among the threads (rows apart: each row's bits its own).
+void silu_mul_rows(const float* x, float* out, int64_t rows, int64_t width, int64_t block) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    silu_mul_rotate(x + begin * 2 * width, out + begin * width, end - begin, width, block);
+  });
+}
+
 // The rest of a layer after attention, for a model whose norms have a gain of 1 (worker/rotation.py):
 // x + o_proj(attended), then + down_proj(rotated silu(gate) * up) of the normed sum.
 at::Tensor mlp_residual(const at::Tensor& x, const at::Tensor& attended, int64_t o_proj, int64_t gate_up,
@@ -607,15 +594,15 @@ at::Tensor mlp_residual(const at::Tensor& x, const at::Tensor& attended, int64_t
   TORCH_CHECK(block == 0 || ((block & (block - 1)) == 0 && width % block == 0),
               "llmserve::mlp_residual rotates blocks of a power of 2 that divides the width");
   at::Tensor mixed = at::empty({rows, width}, gu.options());
-  const float* gate_up_rows = gu.data_ptr<float>();
-  float* mixed_rows = mixed.data_ptr<float>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {  // rows apart: each row's bits its own
-    silu_mul_rotate(gate_up_rows + begin * 2 * width, mixed_rows + begin * width, end - begin, width, block);
-  });
+  silu_mul_rows(gu.data_ptr<float>(), mixed.data_ptr<float>(), rows, width, block);
   return h.add_(int8_linear(mixed, down_proj, std::nullopt, std::nullopt));
 }
 
 }  // namespace
+
+void llmserve::silu_mul(const float* x, float* out, int64_t rows, int64_t width) {
+  silu_mul_rows(x, out, rows, width, 0);
+}
 
 // Catch-all kernels: inference only, CPU tensors (the int8 path's).
 TORCH_LIBRARY(llmserve, m) {

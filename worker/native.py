@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("native.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("native.cpp", "blocks.cpp")]  # and native_math.h
 NAME = "llmserve_native"
 # No fused multiply-add: ATen's rounding (native.cpp). OpenMP: at::parallel_for is inline, and without it runs
 # on one thread; the library it links is the one torch has loaded already (the same name), one pool of threads.
@@ -79,7 +79,8 @@ def _compile() -> _Build:
     try:
         from torch.utils import cpp_extension
 
-        cpp_extension.load(name=NAME, sources=[str(SOURCE)], extra_cflags=FLAGS,
+        cpp_extension.load(name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=FLAGS,
+                           extra_include_paths=[str(SOURCES[0].parent)],
                            extra_ldflags=["-fopenmp"], is_python_module=False)
     except Exception as error:  # no compiler, no ninja, an unwritable cache: the scripted layer serves
         lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [""]

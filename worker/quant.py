@@ -128,38 +128,29 @@ AttentionInterface.register(ROWWISE_ATTENTION, rowwise_sdpa)
 AttentionMaskInterface.register(ROWWISE_ATTENTION, sdpa_mask)  # the padding mask it reads
 
 
-class Int8LlamaLayer(nn.Module):
-    """A Llama decoder layer in four int8 kernel calls instead of seven (q, k and v fused, gate and up
-    fused), in a few scripted functions (worker/scripted.py) instead of a tree of modules: at batch 1 a decode
-    step is mostly per-call overhead, paid 30 times per token. Same arithmetic as the layer it replaces, row by
-    row."""
+class RowwiseLlamaLayer(nn.Module):
+    """A Llama decoder layer whose attention reads each row's own keys (`rowwise_sdpa`, worker/cache.py's ragged
+    rows), around two products that a subclass supplies: `project_qkv` (q, k and v fused) and `mlp_residual`
+    (o_proj, the MLP and both residuals). Every product takes each token alone, so each row's result is the one
+    it gets alone."""
 
-    def __init__(self, layer: LlamaDecoderLayer, down_rotation: InputRotation | None = None,
-                 native: bool = False) -> None:
-        """With `down_rotation`, down_proj's input is rotated in the forward and its weights take the
-        rotation (worker/rotation.py): its activations' outliers are spread before they are quantised. With
-        `native`, a layer whose norms are folded runs worker/native.cpp's kernels (torch.ops.llmserve)."""
+    def __init__(self, layer: LlamaDecoderLayer, native: bool) -> None:
         super().__init__()
-        attn, mlp = layer.self_attn, layer.mlp
-        self.down_rotation = down_rotation
-        if down_rotation is not None:
-            down_rotation.fold(mlp.down_proj)
+        attn = layer.self_attn
         self.layer_idx, self.scaling, self.head_dim = attn.layer_idx, attn.scaling, attn.head_dim
         self.q_heads = attn.q_proj.out_features // self.head_dim
         self.kv_heads = attn.k_proj.out_features // self.head_dim
         self.input_layernorm, self.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
-        self.qkv = Int8Linear(attn.q_proj, attn.k_proj, attn.v_proj)
-        self.o_proj = Int8Linear(attn.o_proj)
-        self.gate_up = Int8Linear(mlp.gate_proj, mlp.up_proj)
-        self.down_proj = Int8Linear(mlp.down_proj)
-        norms = (self.input_layernorm, self.post_attention_layernorm)
-        self.norm_eps = norms[0].variance_epsilon
-        # Gains of 1 (after worker/rotation.py): None, and each norm is folded into the int8 call reading it.
-        folded = all(bool((n.weight == 1).all()) for n in norms)
-        self.gains = (None, None) if folded else tuple(n.weight for n in norms)
-        # The kernels take float32 (the CPU default; WORKER_DTYPE=bfloat16 keeps the scripted layer).
-        self.native = (native and folded and norms[0].weight.dtype == torch.float32
-                       and (down_rotation is None or down_rotation.sylvester))
+        self.norm_eps = self.input_layernorm.variance_epsilon
+        self.native = native  # worker/native.cpp's heads and attention
+
+    def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """The normed tokens' fused q, k and v projections ([tokens, width] in)."""
+        raise NotImplementedError
+
+    def mlp_residual(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The layer after attention: x + o_proj(attended), then the MLP of its norm and that residual."""
+        raise NotImplementedError
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, cache: Cache | None = None,
@@ -176,20 +167,11 @@ class Int8LlamaLayer(nn.Module):
         shapes = [h.shape[:2] for h in hidden]
         sizes = [rows * length for rows, length in shapes]
         x = _cat([h.reshape(n, -1) for h, n in zip(hidden, sizes, strict=True)])
-        if self.native:
-            qkv = native.ops.int8_linear(x, self.qkv.weight, None, self.norm_eps)
-        else:
-            qkv = scripted.normed_linear(x, self.qkv.packed, self.gains[0], self.norm_eps)
+        qkv = self.project_qkv(x)
         attended = _cat([self._attend(part, rows, length, *factors, mask, cache).reshape(rows * length, -1)
                          for part, (rows, length), factors, mask, cache
                          in zip(_split(qkv, sizes), shapes, rope, masks, caches, strict=True)])
-        rotation = None if self.down_rotation is None else self.down_rotation.block
-        if self.native:
-            x = native.ops.mlp_residual(x, attended, self.o_proj.weight, self.gate_up.weight, self.down_proj.weight,
-                                        self.norm_eps, 0 if rotation is None else rotation.shape[0])
-        else:
-            x = scripted.mlp_residual(x, attended, self.o_proj.packed, self.gate_up.packed, self.down_proj.packed,
-                                      self.gains[1], self.norm_eps, rotation)
+        x = self.mlp_residual(x, attended)
         return [part.view(rows, length, -1) for part, (rows, length) in zip(_split(x, sizes), shapes, strict=True)]
 
     def _attend(self, qkv: torch.Tensor, rows: int, length: int, cos: torch.Tensor, signed_sin: torch.Tensor,
@@ -205,6 +187,49 @@ class Int8LlamaLayer(nn.Module):
             key, value = cache.update(key, value, self.layer_idx, {"native": self.native})
         return rowwise_sdpa(self, query, key, value, mask, scaling=self.scaling)[0]
 
+
+class Int8LlamaLayer(RowwiseLlamaLayer):
+    """A Llama decoder layer in four int8 kernel calls instead of seven (q, k and v fused, gate and up
+    fused), in a few scripted functions (worker/scripted.py) instead of a tree of modules: at batch 1 a decode
+    step is mostly per-call overhead, paid 30 times per token. Same arithmetic as the layer it replaces, row by
+    row."""
+
+    def __init__(self, layer: LlamaDecoderLayer, down_rotation: InputRotation | None = None,
+                 native: bool = False) -> None:
+        """With `down_rotation`, down_proj's input is rotated in the forward and its weights take the
+        rotation (worker/rotation.py): its activations' outliers are spread before they are quantised. With
+        `native`, a layer whose norms are folded runs worker/native.cpp's kernels (torch.ops.llmserve)."""
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        # Gains of 1 (after worker/rotation.py): None, and each norm is folded into the int8 call reading it.
+        folded = all(bool((n.weight == 1).all()) for n in norms)
+        # The kernels take float32 (the CPU default; WORKER_DTYPE=bfloat16 keeps the scripted layer).
+        super().__init__(layer, native and folded and norms[0].weight.dtype == torch.float32
+                         and (down_rotation is None or down_rotation.sylvester))
+        attn, mlp = layer.self_attn, layer.mlp
+        self.down_rotation = down_rotation
+        if down_rotation is not None:
+            down_rotation.fold(mlp.down_proj)
+        self.qkv = Int8Linear(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.o_proj = Int8Linear(attn.o_proj)
+        self.gate_up = Int8Linear(mlp.gate_proj, mlp.up_proj)
+        self.down_proj = Int8Linear(mlp.down_proj)
+        self.gains = (None, None) if folded else tuple(n.weight for n in norms)
+
+    def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """The normed tokens' fused q, k and v projections ([tokens, width] in)."""
+        if self.native:
+            return native.ops.int8_linear(x, self.qkv.weight, None, self.norm_eps)
+        return scripted.normed_linear(x, self.qkv.packed, self.gains[0], self.norm_eps)
+
+    def mlp_residual(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The layer after attention: x + o_proj(attended), then the MLP of its norm and that residual."""
+        rotation = None if self.down_rotation is None else self.down_rotation.block
+        if self.native:
+            return native.ops.mlp_residual(x, attended, self.o_proj.weight, self.gate_up.weight,
+                                           self.down_proj.weight, self.norm_eps,
+                                           0 if rotation is None else rotation.shape[0])
+        return scripted.mlp_residual(x, attended, self.o_proj.packed, self.gate_up.packed, self.down_proj.packed,
+                                     self.gains[1], self.norm_eps, rotation)
 
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
@@ -242,7 +267,7 @@ def takes_rows_alone(model: nn.Module) -> bool:
     """Whether every decoder layer is an `Int8LlamaLayer`, whose attention takes each row's own keys and
     values: its cache may then hold rows side by side without padding (worker/cache.py)."""
     layers = getattr(getattr(model, "model", None), "layers", None)
-    return bool(layers) and all(isinstance(layer, Int8LlamaLayer) for layer in layers)
+    return bool(layers) and all(isinstance(layer, RowwiseLlamaLayer) for layer in layers)
 
 
 def use_native(model: nn.Module, on: bool) -> None:

@@ -1,0 +1,200 @@
+"""worker/blocks.py and worker/blocks.cpp: a GGUF file's own Q4_1 and Q8_0 blocks as the weights. The packed
+blocks hold the file's values exactly; the product is a plain torch statement of its arithmetic bit for bit,
+on every instruction set this CPU has; a row's result does not depend on its batch; the default model runs on
+them, close to float32; and the settings fail or fall back as documented."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.settings import Settings
+from worker import native
+from worker.blocks import Q4_1, Q8_0, BlockError, BlockLinear, BlockLlamaLayer, FileTensor, quantize_blocks
+from worker.cache import new_cache
+from worker.forward import Part, forward_parts
+from worker.model import bundled_gguf, load_model
+from worker.quant import Int8LlamaLayer, takes_blocks_together
+
+pytestmark = pytest.mark.skipif(not native.load("auto"), reason="the compiled kernels do not build here")
+ops = torch.ops.llmserve
+ISAS = sorted({ops.block_isa(level) for level in (0, 1, 2)})  # what this CPU has: plain, AVX2, AVX-512 VNNI
+ops.block_isa(2)
+
+
+def random_blocks(kind, n: int, k: int, seed: int) -> np.ndarray:
+    """GGUF rows of random blocks ([n, bytes]): scales and minima of a trained layer's size, any codes."""
+    rng = np.random.default_rng(seed)
+    blocks = k // 32
+    scale = (rng.standard_normal((n, blocks, 1)) * 0.01).astype(np.float16).view(np.uint8)
+    if kind == Q4_1:
+        minimum = (rng.standard_normal((n, blocks, 1)) * 0.05).astype(np.float16).view(np.uint8)
+        codes = rng.integers(0, 256, (n, blocks, 16), dtype=np.uint8)
+        return np.concatenate([scale, minimum, codes], axis=-1).reshape(n, -1)
+    codes = rng.integers(-127, 128, (n, blocks, 32), dtype=np.int8).view(np.uint8)
+    return np.concatenate([scale, codes], axis=-1).reshape(n, -1)
+
+
+def block_linear(kind, n: int, k: int, seed: int = 0) -> tuple[BlockLinear, np.ndarray]:
+    raw = random_blocks(kind, n, k, seed)
+    return BlockLinear([FileTensor("w", kind, (k, n), raw)], [np.arange(n)]), raw
+
+
+def activations(rows: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Rows of very different sizes, with an outlier channel and a block of zeros."""
+    torch.manual_seed(seed)
+    x = torch.randn(rows, k) * torch.logspace(-3, 2, rows)[:, None]
+    x[:, 5] *= 40
+    x[:, 32:64] = 0
+    return x
+
+
+def reference(x: torch.Tensor, raw: np.ndarray, kind) -> torch.Tensor:
+    """blocks.cpp's arithmetic in torch: each block of a row quantised to 8 bits (scale max / 127, ties to
+    even), each block's integer sum of products, then over the blocks in order acc + sum * (d a) [+ m (a sum q)],
+    each a fused multiply-add."""
+    rows, k = x.shape
+    n, blocks = raw.shape[0], k // 32
+    per = raw.reshape(n, blocks, -1)
+    d = torch.from_numpy(per[..., 0:2].copy().view(np.float16)).float()[..., 0]
+    if kind == Q4_1:
+        m = torch.from_numpy(per[..., 2:4].copy().view(np.float16)).float()[..., 0]
+        qs = torch.from_numpy(per[..., 4:].copy()).long()
+        codes = torch.cat([qs & 15, qs >> 4], dim=-1)
+    else:
+        codes = torch.from_numpy(per[..., 2:].copy().view(np.int8)).long()
+    xb = x.view(rows, blocks, 32)
+    top = xb.abs().amax(-1)
+    inverse = torch.where(top > 0, torch.tensor(127.0) / top, torch.zeros(()))
+    q = torch.round(xb * inverse[..., None]).clamp(-127, 127)
+    a = top / torch.tensor(127.0)
+    scaled_sum = a * q.sum(-1)
+    sums = torch.einsum("rbi,nbi->rnb", q.long(), codes).float()
+    def fma(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return (x.double() * y.double() + z.double()).float()  # x * y exact in float64, one rounding to float32
+
+    acc = torch.zeros(rows, n)
+    for b in range(blocks):
+        acc = fma(sums[:, :, b], d[None, :, b] * a[:, b, None], acc)
+        if kind == Q4_1:
+            acc = fma(m[None, :, b], scaled_sum[:, b, None], acc)
+    return acc
+
+
+@pytest.mark.parametrize("kind", [Q4_1, Q8_0])
+@pytest.mark.parametrize("rows", [1, 5, 13])
+def test_the_product_is_its_arithmetic_in_torch_bit_for_bit_on_every_instruction_set(kind, rows: int) -> None:
+    layer, raw = block_linear(kind, 40, 96, seed=rows)  # 40 outputs: the last tile half empty
+    x = activations(rows, 96, seed=rows)
+    want = reference(x, raw, kind)
+    try:
+        for isa in ISAS:
+            assert ops.block_isa(isa) == isa
+            assert torch.equal(layer(x), want), f"instruction set {isa}"
+    finally:
+        ops.block_isa(2)
+    float_product = x @ layer.dequantized().T  # and close to the float product: only activations are rounded
+    assert (want - float_product).norm() < 0.02 * float_product.norm()
+
+
+@pytest.mark.parametrize("kind", [Q4_1, Q8_0])
+def test_a_row_s_result_is_the_same_alone_and_in_any_batch(kind) -> None:
+    layer, _ = block_linear(kind, 64, 576, seed=3)
+    x = activations(21, 576)  # row groups of 8, 4, 2 and 1 in one call
+    batch = layer(x)
+    order = torch.randperm(21)
+    assert torch.equal(layer(x[order]), batch[order])
+    for row in range(21):
+        assert torch.equal(layer(x[row:row + 1]), batch[row:row + 1])
+    assert torch.equal(layer(x.view(3, 7, 576)), batch.view(3, 7, -1))  # any leading shape
+
+
+def test_the_packed_blocks_hold_the_file_s_values() -> None:
+    for kind in (Q4_1, Q8_0):
+        layer, raw = block_linear(kind, 37, 64)
+        import gguf
+
+        want = torch.from_numpy(gguf.quants.dequantize(raw, kind))
+        assert torch.equal(layer.dequantized(), want)
+
+
+def test_a_gain_normalises_first_and_the_mlp_is_its_parts() -> None:
+    torch.manual_seed(1)
+    x, gain = activations(6, 96), torch.rand(96) + 0.5
+    layer, _ = block_linear(Q4_1, 32, 96)
+    normed = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * gain
+    torch.testing.assert_close(layer(x, gain, 1e-5), layer(normed), rtol=1e-3, atol=1e-3 * layer(normed).abs().max())
+    o_proj, _ = block_linear(Q4_1, 96, 64, seed=1)
+    gate_up, _ = block_linear(Q4_1, 2 * 128, 96, seed=2)
+    down, _ = block_linear(Q4_1, 96, 128, seed=3)
+    attended = activations(6, 64, seed=4)
+    got = ops.block_mlp_residual(x, attended, o_proj.packed, gate_up.packed, down.packed, 128, gain, 1e-5)
+    h = x + o_proj(attended)
+    gate, up = gate_up(h, gain, 1e-5).chunk(2, dim=-1)
+    want = h + down(F.silu(gate) * up)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max())
+
+
+def test_what_does_not_fit_is_refused_with_a_message() -> None:
+    layer, _ = block_linear(Q4_1, 32, 64)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        layer(torch.randn(2, 96))  # another input width
+    with pytest.raises(RuntimeError, match="float32"):
+        layer(torch.randn(2, 64, dtype=torch.float64))
+    with pytest.raises(BlockError, match="not all Q4_1"):
+        BlockLinear([FileTensor("a", Q4_1, (64, 4), random_blocks(Q4_1, 4, 64, 0)),
+                     FileTensor("b", Q8_0, (64, 4), random_blocks(Q8_0, 4, 64, 0))], [np.arange(4)] * 2)
+
+
+@pytest.fixture(scope="module")
+def models() -> dict[str, torch.nn.Module]:
+    return {quant: load_model(Settings(worker_threads=1, worker_quant=quant)).model for quant in ("auto", "none")}
+
+
+def test_the_default_model_runs_on_its_file_s_blocks_close_to_float32(models: dict) -> None:
+    blocks, fp32 = models["auto"], models["none"]
+    assert all(isinstance(layer, BlockLlamaLayer) for layer in blocks.model.layers)
+    assert isinstance(blocks.lm_head, BlockLinear) and blocks.lm_head.kind == Q8_0
+    assert {layer.qkv.kind for layer in blocks.model.layers} == {Q4_1}
+    assert takes_blocks_together(blocks)  # the engine's prefill takes several blocks in one forward
+    torch.manual_seed(0)
+    ids = torch.randint(100, 5000, (2, 24))
+    with torch.inference_mode():
+        cache = new_cache(blocks.config, ragged=True)
+        got = forward_parts(blocks, [Part(ids[:, :20], torch.arange(20).expand(2, 20), cache)])[0]
+        steps = [forward_parts(blocks, [Part(ids[:, p:p + 1], torch.full((2, 1), p), cache)])[0] for p in range(20, 24)]
+        want = fp32(ids).logits
+    assert F.cosine_similarity(got, want[:, 19], dim=-1).min() > 0.999
+    for p, step in zip(range(20, 24), steps, strict=True):
+        assert F.cosine_similarity(step, want[:, p], dim=-1).min() > 0.999
+        top2 = want[:, p].topk(2, dim=-1).values
+        clear = top2[:, 0] - top2[:, 1] > 0.5
+        assert torch.equal(step.argmax(-1)[clear], want[:, p].argmax(-1)[clear])
+
+
+def test_a_model_that_differs_from_its_file_is_refused() -> None:
+    fp32 = load_model(Settings(worker_threads=1, worker_quant="none")).model
+    with torch.no_grad():
+        fp32.model.layers[2].mlp.up_proj.weight[7, 3] += 1e-3
+    layers = list(fp32.model.layers)
+    with pytest.raises(BlockError, match=r"blk\.2\.ffn_gate\.weight, blk\.2\.ffn_up\.weight do not hold"):
+        quantize_blocks(fp32, bundled_gguf())
+    assert list(fp32.model.layers) == layers  # nothing replaced
+
+
+def test_the_settings_fail_or_fall_back_as_documented(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    with pytest.raises(ValueError, match="WORKER_QUANT=gguf: the compiled kernels are not loaded"):
+        load_model(Settings(worker_threads=1, worker_quant="gguf", worker_native="off"))
+    with caplog.at_level(logging.WARNING, logger="worker"):
+        loaded = load_model(Settings(worker_threads=1, worker_native="off"))
+    assert all(isinstance(layer, Int8LlamaLayer) and not layer.native for layer in loaded.model.model.layers)
+    assert any("blocks cannot serve" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="WORKER_QUANT must be auto, gguf, int8 or none"):
+        load_model(Settings(worker_quant="q4"))
+    monkeypatch.setattr("worker.model._gguf_path", lambda settings: None)
+    with pytest.raises(ValueError, match="WORKER_QUANT=gguf needs a local GGUF file"):
+        load_model(Settings(worker_quant="gguf"))

@@ -1,0 +1,459 @@
+// Linear layers over a GGUF file's own blocks (worker/blocks.py packs them, worker/native.py builds this file).
+//
+// A Q4_1 block is 32 weights of one output channel along its inputs: 4-bit codes c with a scale d and a
+// minimum m (w = d c + m); a Q8_0 block has signed 8-bit codes and a scale. Each token's activations are cut
+// into the same blocks of 32 and quantised to 8 bits per block (scale a, codes q), so a block's product is
+// d a sum(c q) + m a sum(q), its sum of codes an exact integer product (VNNI's vpdpbusd, or AVX2's
+// vpmaddubsw: 15 * 127 * 2 fits its 16-bit pair sums). A decode step then reads 5 bits per layer weight
+// instead of int8's 8.
+//
+// Weights are packed in tiles of 16 output channels, one per 32-bit lane; a tile's block is its codes
+// (lane c holding 4 consecutive inputs of channel c) then its 16 scales (and minima) as float16. Every row's
+// float arithmetic is the same lane-wise sequence in the AVX-512, AVX2 and plain loops, and rows never mix:
+// a row's bits are the same alone or in any batch, on any of the three (tested).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "native_math.h"
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // inputs per block
+constexpr int64_t kTile = 16;   // output channels per tile
+constexpr int64_t kQ4 = 2, kQ8 = 8;  // GGUF's type numbers: Q4_1 and Q8_0
+// From this many rows two tiles share each activation read (AVX-512); below, one stream of weights per thread
+// reads faster (bench/blocks.py).
+constexpr int64_t kPairRows = 4;
+
+// Bytes of one tile's block: codes, then scales (and, for Q4_1, minima) as float16.
+constexpr int64_t code_bytes(int64_t type) { return type == kQ4 ? kTile * kBlock / 2 : kTile * kBlock; }
+constexpr int64_t tile_block_bytes(int64_t type) { return code_bytes(type) + (type == kQ4 ? 4 : 2) * kTile; }
+
+// One row's activations, quantised per block: codes, each block's scale, and its scale times its codes' sum.
+struct Quantised {
+  const int8_t* codes;
+  const uint8_t* biased;  // (Q8_0 only) codes + 128
+  const float* scale;
+  const float* scaled_sum;
+};
+
+// Round to nearest, ties to even, for |x| < 2^22, in plain arithmetic (vectorises without SSE4.1's roundps).
+inline float round_even(float x) {
+  constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23: the sum's last bit is the integer's
+  return std::copysign((std::fabs(x) + kMagic) - kMagic, x);
+}
+
+// Each row of x [rows, k] quantised per block of 32: codes in [-127, 127] with scale max|x| / 127. Every step is
+// exact or rounds one number alone, so vector width and threads change no bit.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void quantise_rows(const float* x, int64_t rows, int64_t k, int8_t* codes, float* scale, float* scaled_sum) {
+  const int64_t blocks = k / kBlock;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* in = x + r * k + b * kBlock;
+      float top = 0.0f;
+#pragma omp simd reduction(max : top)
+      for (int64_t i = 0; i < kBlock; ++i) top = std::max(top, std::fabs(in[i]));
+      const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
+      int32_t total = 0;
+      int8_t* out = codes + r * k + b * kBlock;
+#pragma omp simd reduction(+ : total)
+      for (int64_t i = 0; i < kBlock; ++i) {
+        const int32_t q = static_cast<int32_t>(std::min(127.0f, std::max(-127.0f, round_even(in[i] * inverse))));
+        out[i] = static_cast<int8_t>(q);
+        total += q;
+      }
+      const float a = top / 127.0f;
+      scale[r * blocks + b] = a;
+      scaled_sum[r * blocks + b] = a * static_cast<float>(total);
+    }
+  }
+}
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ffu;
+  uint32_t bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    int32_t e = 113;
+    uint32_t m = mantissa;
+    while ((m & 0x400u) == 0) {
+      m <<= 1;
+      --e;
+    }
+    bits = sign | (static_cast<uint32_t>(e) << 23) | ((m & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline int32_t four_bytes(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// The code of channel c, input i of a tile's block (the packing of worker/blocks.py).
+inline int32_t code_at(const uint8_t* block, int64_t type, int64_t c, int64_t i) {
+  if (type == kQ8) return static_cast<int8_t>(block[((i / 4) * kTile + c) * 4 + i % 4]);
+  const uint8_t byte = block[(((i % 16) / 4) * kTile + c) * 4 + i % 4];
+  return i < 16 ? (byte & 0x0f) : (byte >> 4);
+}
+
+// Plain loops: rows [0, count) of one tile into out (kTile floats a row, `stride` apart).
+void tile_plain(const uint8_t* tile, int64_t type, int64_t blocks, const Quantised* rows, int64_t count,
+                float* out, int64_t stride) {
+  const int64_t bytes = tile_block_bytes(type), codes = code_bytes(type);
+  for (int64_t r = 0; r < count; ++r) {
+    float acc[kTile] = {};
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* block = tile + b * bytes;
+      const int8_t* q = rows[r].codes + b * kBlock;
+      const uint16_t* halves = reinterpret_cast<const uint16_t*>(block + codes);
+      for (int64_t c = 0; c < kTile; ++c) {
+        int32_t sum = 0;
+        for (int64_t i = 0; i < kBlock; ++i) sum += code_at(block, type, c, i) * q[i];
+        const float p = half_to_float(halves[c]) * rows[r].scale[b];
+        acc[c] = std::fma(static_cast<float>(sum), p, acc[c]);
+        if (type == kQ4) acc[c] = std::fma(half_to_float(halves[kTile + c]), rows[r].scaled_sum[b], acc[c]);
+      }
+    }
+    std::memcpy(out + r * stride, acc, sizeof acc);
+  }
+}
+
+#if defined(__x86_64__)
+
+// AVX2: a tile as two halves of 8 lanes, up to 4 rows at a time.
+template <int64_t TYPE, int R>
+__attribute__((target("avx2,fma,f16c"))) void half_tile_avx2(const uint8_t* tile, int64_t blocks,
+                                                             const Quantised* rows, float* out, int64_t stride,
+                                                             int64_t half) {
+  constexpr int64_t bytes = tile_block_bytes(TYPE), codes = code_bytes(TYPE);
+  const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = tile + b * bytes;
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + codes + half * 16)));
+    __m256i sums[R];
+    for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
+    if constexpr (TYPE == kQ4) {
+      for (int64_t j = 0; j < 4; ++j) {
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + j * 64 + half * 32));
+        const __m256i lo = _mm256_and_si256(packed, low), hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* q = rows[r].codes + b * kBlock + 4 * j;
+          const __m256i a = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(four_bytes(q)));
+          const __m256i c = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(four_bytes(q + 16)));
+          sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_add_epi16(a, c), ones));
+        }
+      }
+    } else {  // signed codes: |w| times q carrying w's sign (codes and activations within [-127, 127])
+      for (int64_t j = 0; j < 8; ++j) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + j * 64 + half * 32));
+        const __m256i magnitude = _mm256_sign_epi8(w, w);
+        for (int r = 0; r < R; ++r) {
+          const __m256i q = _mm256_set1_epi32(four_bytes(rows[r].codes + b * kBlock + 4 * j));
+          const __m256i a = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(q, w));
+          sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(a, ones));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 p = _mm256_mul_ps(dw, _mm256_set1_ps(rows[r].scale[b]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), p, acc[r]);
+      if constexpr (TYPE == kQ4) {
+        const __m256 mw =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + codes + 32 + half * 16)));
+        acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(rows[r].scaled_sum[b]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * stride + half * 8, acc[r]);
+}
+
+// AVX-512 with VNNI: T tiles side by side (`tile_bytes` apart), a tile in one vector, R rows at a time; each
+// activation read serves the T tiles.
+template <int64_t TYPE, int R, int T>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void tiles_avx512(const uint8_t* tile, int64_t tile_bytes,
+                                                                         int64_t blocks, const Quantised* rows,
+                                                                         float* out, int64_t stride) {
+  constexpr int64_t bytes = tile_block_bytes(TYPE), codes = code_bytes(TYPE);
+  const __m512i low = _mm512_set1_epi8(0x0f), offset = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[T][R];
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block[T];
+    __m512 dw[T];
+    __m512i sums[T][R];
+    for (int t = 0; t < T; ++t) {
+      block[t] = tile + t * tile_bytes + b * bytes;
+      dw[t] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block[t] + codes)));
+      for (int r = 0; r < R; ++r) sums[t][r] = _mm512_setzero_si512();
+    }
+    if constexpr (TYPE == kQ4) {
+      for (int64_t j = 0; j < 4; ++j) {
+        __m512i lo[T], hi[T];
+        for (int t = 0; t < T; ++t) {
+          const __m512i packed = _mm512_loadu_si512(block[t] + j * 64);
+          lo[t] = _mm512_and_si512(packed, low);
+          hi[t] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+        }
+        for (int r = 0; r < R; ++r) {
+          const int8_t* q = rows[r].codes + b * kBlock + 4 * j;
+          const __m512i first = _mm512_set1_epi32(four_bytes(q)), second = _mm512_set1_epi32(four_bytes(q + 16));
+          for (int t = 0; t < T; ++t) {
+            sums[t][r] = _mm512_dpbusd_epi32(sums[t][r], lo[t], first);
+            sums[t][r] = _mm512_dpbusd_epi32(sums[t][r], hi[t], second);
+          }
+        }
+      }
+    } else {  // (q + 128) unsigned times the signed codes, less 128 times the codes' sum: the same integer
+      __m512i correction[T];
+      for (int t = 0; t < T; ++t) correction[t] = _mm512_setzero_si512();
+      for (int64_t j = 0; j < 8; ++j) {
+        __m512i w[T];
+        for (int t = 0; t < T; ++t) {
+          w[t] = _mm512_loadu_si512(block[t] + j * 64);
+          correction[t] = _mm512_dpbusd_epi32(correction[t], offset, w[t]);
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m512i q = _mm512_set1_epi32(four_bytes(reinterpret_cast<const int8_t*>(rows[r].biased) + b * kBlock + 4 * j));
+          for (int t = 0; t < T; ++t) sums[t][r] = _mm512_dpbusd_epi32(sums[t][r], q, w[t]);
+        }
+      }
+      for (int t = 0; t < T; ++t)
+        for (int r = 0; r < R; ++r) sums[t][r] = _mm512_sub_epi32(sums[t][r], correction[t]);
+    }
+    __m512 mw[T];
+    if constexpr (TYPE == kQ4) {
+      for (int t = 0; t < T; ++t)
+        mw[t] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block[t] + codes + 32)));
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(rows[r].scale[b]);
+      for (int t = 0; t < T; ++t) {
+        acc[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[t][r]), _mm512_mul_ps(dw[t], a), acc[t][r]);
+        if constexpr (TYPE == kQ4) acc[t][r] = _mm512_fmadd_ps(mw[t], _mm512_set1_ps(rows[r].scaled_sum[b]), acc[t][r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) _mm512_storeu_ps(out + r * stride + t * kTile, acc[t][r]);
+}
+
+template <int64_t TYPE, int R>
+void rows_avx2(const uint8_t* tile, int64_t blocks, const Quantised* rows, float* out, int64_t stride) {
+  half_tile_avx2<TYPE, R>(tile, blocks, rows, out, stride, 0);
+  half_tile_avx2<TYPE, R>(tile, blocks, rows, out, stride, 1);
+}
+
+// Rows [0, count) of T tiles, R at a time (R a power of 2 up to MAX), by Kernel<TYPE, R, T>.
+template <int64_t TYPE, int MAX, int T, template <int64_t, int, int> class Kernel>
+void tile_rows(const uint8_t* tile, int64_t tile_bytes, int64_t blocks, const Quantised* rows, int64_t count,
+               float* out, int64_t stride) {
+  int64_t r = 0;
+  for (; r + MAX <= count; r += MAX) Kernel<TYPE, MAX, T>::run(tile, tile_bytes, blocks, rows + r, out + r * stride,
+                                                               stride);
+  if constexpr (MAX > 1) {
+    if (r < count) {
+      tile_rows<TYPE, MAX / 2, T, Kernel>(tile, tile_bytes, blocks, rows + r, count - r, out + r * stride, stride);
+    }
+  }
+}
+
+template <int64_t TYPE, int R, int T>
+struct Avx512 {
+  static void run(const uint8_t* t, int64_t tb, int64_t b, const Quantised* q, float* o, int64_t s) {
+    tiles_avx512<TYPE, R, T>(t, tb, b, q, o, s);
+  }
+};
+
+template <int64_t TYPE, int R, int T>
+struct Avx2 {
+  static void run(const uint8_t* t, int64_t tb, int64_t b, const Quantised* q, float* o, int64_t s) {
+    static_assert(T == 1, "AVX2 takes one tile at a time");
+    rows_avx2<TYPE, R>(t, b, q, o, s);
+  }
+};
+
+#endif
+
+enum Isa : int64_t { kPlain = 0, kAvx2 = 1, kAvx512 = 2 };
+
+Isa detected() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vnni"))
+    return kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return kAvx2;
+#endif
+  return kPlain;
+}
+
+const Isa kDetected = detected();
+Isa isa = kDetected;  // block_isa lowers it (tests compare the three)
+
+// The widest kernel set this CPU has, at most `most` (0 plain, 1 AVX2, 2 AVX-512 VNNI); returns it.
+int64_t block_isa(int64_t most) {
+  isa = static_cast<Isa>(std::min<int64_t>(std::max<int64_t>(most, kPlain), kDetected));
+  return isa;
+}
+
+// Rows [0, count) of `pair` (1 or 2) tiles side by side, `tile_bytes` apart, into out (16 floats a tile).
+void tile_any(int64_t type, const uint8_t* tile, int64_t tile_bytes, int64_t pair, int64_t blocks,
+              const Quantised* rows, int64_t count, float* out, int64_t stride) {
+#if defined(__x86_64__)
+  if (isa == kAvx512 && pair == 2) {
+    if (type == kQ4) return tile_rows<kQ4, 4, 2, Avx512>(tile, tile_bytes, blocks, rows, count, out, stride);
+    return tile_rows<kQ8, 4, 2, Avx512>(tile, tile_bytes, blocks, rows, count, out, stride);
+  }
+  if (isa == kAvx512) {
+    if (type == kQ4) return tile_rows<kQ4, 8, 1, Avx512>(tile, tile_bytes, blocks, rows, count, out, stride);
+    return tile_rows<kQ8, 8, 1, Avx512>(tile, tile_bytes, blocks, rows, count, out, stride);
+  }
+  if (isa == kAvx2) {
+    for (int64_t t = 0; t < pair; ++t) {
+      if (type == kQ4) {
+        tile_rows<kQ4, 4, 1, Avx2>(tile + t * tile_bytes, tile_bytes, blocks, rows, count, out + t * kTile, stride);
+      } else {
+        tile_rows<kQ8, 4, 1, Avx2>(tile + t * tile_bytes, tile_bytes, blocks, rows, count, out + t * kTile, stride);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t t = 0; t < pair; ++t) {
+    tile_plain(tile + t * tile_bytes, type, blocks, rows, count, out + t * kTile, stride);
+  }
+}
+
+// x [rows, k] float32 times the packed weights ([tiles, blocks, tile block bytes], uint8) of `n` output channels.
+// The packed blocks' type, told by their size.
+void product(const float* x, int64_t rows, int64_t k, const at::Tensor& weights, int64_t n, float* out) {
+  TORCH_CHECK(weights.dim() == 3, "llmserve: packed blocks are [tiles, blocks, bytes]");
+  const int64_t blocks = k / kBlock, tiles = weights.size(0);
+  const int64_t type = weights.size(2) == tile_block_bytes(kQ4) ? kQ4 : kQ8;
+  TORCH_CHECK(weights.scalar_type() == at::kByte && weights.is_contiguous() &&
+                  weights.size(1) == blocks && weights.size(2) == tile_block_bytes(type) && tiles * kTile >= n &&
+                  (tiles - 1) * kTile < n && k % kBlock == 0,
+              "llmserve: packed blocks do not fit an input of ", k, " and ", n, " outputs");
+  std::vector<int8_t> codes(rows * k);
+  std::vector<float> scale(rows * blocks), scaled_sum(rows * blocks);
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    quantise_rows(x + begin * k, end - begin, k, codes.data() + begin * k, scale.data() + begin * blocks,
+                  scaled_sum.data() + begin * blocks);
+  });
+  std::vector<uint8_t> biased(type == kQ8 ? rows * k : 0);  // codes + 128, unsigned: VNNI's Q8_0 operand
+  for (size_t i = 0; i < biased.size(); ++i) biased[i] = static_cast<uint8_t>(codes[i]) ^ 0x80;
+  std::vector<Quantised> quantised(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    quantised[r] = {codes.data() + r * k, biased.empty() ? nullptr : biased.data() + r * k,
+                    scale.data() + r * blocks, scaled_sum.data() + r * blocks};
+  }
+  const uint8_t* w = weights.data_ptr<uint8_t>();
+  const int64_t tile_bytes = blocks * tile_block_bytes(type);
+  at::parallel_for(0, tiles, 2, [&](int64_t begin, int64_t end) {
+    std::vector<float> tile_out(rows * 2 * kTile);
+    for (int64_t t = begin; t < end;) {
+      const int64_t pair = std::min<int64_t>(rows >= kPairRows ? 2 : 1, end - t);
+      tile_any(type, w + t * tile_bytes, tile_bytes, pair, blocks, quantised.data(), rows, tile_out.data(), 2 * kTile);
+      const int64_t width = std::min(pair * kTile, n - t * kTile);
+      for (int64_t r = 0; r < rows; ++r) {
+        std::memcpy(out + r * n + t * kTile, tile_out.data() + r * 2 * kTile, width * sizeof(float));
+      }
+      t += pair;
+    }
+  });
+}
+
+// RMSNorm with its gain: x / sqrt(mean(x^2) + eps) * gain, row by row. The squares are summed in 16 fixed
+// lanes, then the lanes in order: the same bits at any vector width.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void rms_norm(const float* x, const float* gain, int64_t rows, int64_t k, float eps, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* in = x + r * k;
+    float lanes[kTile] = {};
+    for (int64_t i = 0; i < k; i += kTile) {
+#pragma omp simd
+      for (int64_t l = 0; l < kTile; ++l) lanes[l] += in[i + l] * in[i + l];
+    }
+    float squares = 0.0f;
+    for (int64_t l = 0; l < kTile; ++l) squares += lanes[l];
+    const float factor = 1.0f / std::sqrt(squares / static_cast<float>(k) + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < k; ++i) out[r * k + i] = gain[i] * (in[i] * factor);
+  }
+}
+
+at::Tensor linear_of(const float* x, int64_t rows, int64_t k, const at::Tensor& weights, int64_t n,
+                     at::IntArrayRef leading, const at::TensorOptions& options) {
+  std::vector<int64_t> shape(leading.begin(), leading.end());
+  shape.push_back(n);
+  at::Tensor out = at::empty(shape, options);
+  product(x, rows, k, weights, n, out.data_ptr<float>());
+  return out;
+}
+
+// input [..., k] float32 through the packed blocks (after RMSNorm with `gain`, when given): [..., n].
+at::Tensor block_linear(const at::Tensor& input, const at::Tensor& weights, int64_t n,
+                        const std::optional<at::Tensor>& gain, double eps) {
+  TORCH_CHECK(input.scalar_type() == at::kFloat && input.dim() >= 1, "llmserve::block_linear takes float32");
+  const at::Tensor x = input.contiguous();
+  const int64_t k = x.size(-1), rows = x.numel() / std::max<int64_t>(k, 1);
+  if (!gain) return linear_of(x.data_ptr<float>(), rows, k, weights, n, x.sizes().slice(0, x.dim() - 1),
+                              x.options());
+  const at::Tensor g = gain->contiguous();
+  TORCH_CHECK(g.scalar_type() == at::kFloat && g.numel() == k && k % kTile == 0,
+              "llmserve::block_linear: a gain per input");
+  std::vector<float> normed(rows * k);
+  const float *in = x.data_ptr<float>(), *gains = g.data_ptr<float>();
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    rms_norm(in + begin * k, gains, end - begin, k, static_cast<float>(eps), normed.data() + begin * k);
+  });
+  return linear_of(normed.data(), rows, k, weights, n, x.sizes().slice(0, x.dim() - 1), x.options());
+}
+
+// The rest of a layer after attention: h = x + o_proj(attended), then h + down(silu(gate) * up) of the normed h.
+at::Tensor block_mlp_residual(const at::Tensor& x, const at::Tensor& attended, const at::Tensor& o_proj,
+                              const at::Tensor& gate_up, const at::Tensor& down_proj, int64_t inner,
+                              const at::Tensor& gain, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2,
+              "llmserve::block_mlp_residual takes [tokens, width] float32");
+  const int64_t rows = x.size(0), width = x.size(1);
+  at::Tensor h = x + block_linear(attended, o_proj, width, std::nullopt, 0.0);
+  at::Tensor gu = block_linear(h, gate_up, 2 * inner, gain, eps);
+  at::Tensor mixed = at::empty({rows, inner}, x.options());
+  llmserve::silu_mul(gu.data_ptr<float>(), mixed.data_ptr<float>(), rows, inner);
+  return h.add_(block_linear(mixed, down_proj, width, std::nullopt, 0.0));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llmserve, m) {
+  m.def("block_linear(Tensor x, Tensor weights, int n, Tensor? gain, float eps) -> Tensor", &block_linear);
+  m.def("block_mlp_residual(Tensor x, Tensor attended, Tensor o_proj, Tensor gate_up, Tensor down_proj, int inner, "
+        "Tensor gain, float eps) -> Tensor",
+        &block_mlp_residual);
+  m.def("block_isa(int most) -> int", &block_isa);
+}

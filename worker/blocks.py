@@ -1,0 +1,234 @@
+"""A GGUF file's own blocks as the CPU worker's weights (`WORKER_QUANT=gguf`, the default for such a file).
+
+The default model ships as a GGUF file whose decoder projections are Q4_1 blocks (32 weights of a row: 4-bit
+codes, a float16 scale and minimum) and whose embedding, tied to the lm_head, is Q8_0 (8-bit codes, a scale).
+transformers dequantises them to float on load; the int8 path (worker/quant.py) then quantises those floats
+again, to 8 bits per weight. Here each projection keeps the file's codes, packed for worker/blocks.cpp, which
+multiplies them by each token's activations quantised to 8 bits per block of 32: 5 bits read per layer weight
+instead of 8, and the file's weights exactly, so no rotation is needed (each activation block has its own
+scale). Every product takes each token alone (blocks.cpp), so a request's tokens do not depend on its batch.
+
+Packing: the rows of 16 output channels form a tile; a tile's block is its codes with channel c's four
+consecutive inputs in 32-bit lane c (for Q4_1 a byte holds input i in its low half and input i + 16 in its
+high half, as the file's bytes do), then the 16 scales (and minima) as float16.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+from worker import native
+from worker.quant import RowwiseLlamaLayer
+
+Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
+TILE = 16  # output channels per tile: one 512-bit vector of 32-bit sums
+
+
+class BlockError(ValueError):
+    """The model's weights cannot be taken from its GGUF file's blocks (another type, or other values)."""
+
+
+@dataclass
+class FileTensor:
+    """One tensor of a GGUF file: its name, block type, shape (the file's order: a row's inputs first) and its
+    bytes, [rows, bytes a row], a view of the file."""
+
+    name: str
+    kind: gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF's value types
+_STRING, _ARRAY = 8, 9
+
+
+def read_tensors(path: str) -> dict[str, FileTensor]:
+    """The tensors of the GGUF file at `path`, skipping its metadata (gguf.GGUFReader parses every field of it,
+    the tokenizer's 49,152 strings included, which took longer than all the rest of the packing)."""
+    with open(path, "rb") as file:
+        view = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+    magic, _version, count, fields = struct.unpack_from("<4sIQQ", view, 0)
+    if magic != b"GGUF":
+        raise BlockError(f"{os.path.basename(path)} is not a GGUF file")
+    at, alignment = 24, 32
+
+    def string(at: int) -> tuple[str, int]:
+        (length,) = struct.unpack_from("<Q", view, at)
+        return view[at + 8:at + 8 + length].decode(), at + 8 + length
+
+    def skip(kind: int, at: int) -> int:
+        if kind == _STRING:
+            return at + 8 + struct.unpack_from("<Q", view, at)[0]
+        if kind == _ARRAY:
+            item, n = struct.unpack_from("<IQ", view, at)
+            at += 12
+            if item in _SCALAR_BYTES:
+                return at + n * _SCALAR_BYTES[item]
+            for _ in range(n):
+                at = skip(item, at)
+            return at
+        return at + _SCALAR_BYTES[kind]
+
+    for _ in range(fields):
+        key, at = string(at)
+        (kind,) = struct.unpack_from("<I", view, at)
+        if key == "general.alignment":
+            (alignment,) = struct.unpack_from("<I", view, at + 4)
+        at = skip(kind, at + 4)
+    infos = []
+    for _ in range(count):
+        name, at = string(at)
+        (dims,) = struct.unpack_from("<I", view, at)
+        shape = struct.unpack_from(f"<{dims}Q", view, at + 4)
+        kind, offset = struct.unpack_from("<IQ", view, at + 4 + 8 * dims)
+        at += 4 + 8 * dims + 12
+        infos.append((name, gguf.GGMLQuantizationType(kind), shape, offset))
+    start = -(-at // alignment) * alignment
+    tensors = {}
+    for name, kind, shape, offset in infos:
+        block, size = gguf.GGML_QUANT_SIZES[kind]
+        row_bytes, rows = shape[0] // block * size, int(np.prod(shape[1:], dtype=np.int64))
+        data = np.frombuffer(view, np.uint8, rows * row_bytes, start + offset).reshape(rows, row_bytes)
+        tensors[name] = FileTensor(name, kind, tuple(shape), data)
+    return tensors
+
+
+def pack(blocks: np.ndarray, kind: gguf.GGMLQuantizationType) -> torch.Tensor:
+    """A matrix's rows of GGUF blocks ([n, bytes], uint8) packed for blocks.cpp: [tiles, blocks, tile bytes]."""
+    per_block = {Q4_1: 20, Q8_0: 34}[kind]
+    n = blocks.shape[0]
+    tiles = -(-n // TILE)
+    rows = np.zeros((tiles * TILE, blocks.shape[1] // per_block, per_block), np.uint8)  # padded with zeros
+    rows[:n] = blocks.reshape(n, -1, per_block)
+    by_tile = rows.reshape(tiles, TILE, -1, per_block).transpose(0, 2, 1, 3)  # [tiles, blocks, channel, bytes]
+    halves = 4 if kind == Q4_1 else 2  # float16 scale (and minimum) before the codes
+    codes = by_tile[..., halves:]
+    steps = codes.shape[-1] // 4
+    lanes = codes.reshape(*codes.shape[:-1], steps, 4).swapaxes(-2, -3)  # [tiles, blocks, step, channel, 4]
+    scales = [by_tile[..., i:i + 2] for i in range(0, halves, 2)]  # each [tiles, blocks, channel, 2]
+    parts = [lanes.reshape(tiles, -1, steps * TILE * 4)] + [s.reshape(tiles, -1, 2 * TILE) for s in scales]
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=-1)))
+
+
+class BlockLinear(nn.Module):
+    """A linear layer (no bias) over packed GGUF blocks, float32 in and out, through blocks.cpp."""
+
+    def __init__(self, tensors: list[FileTensor], rows: list[np.ndarray]) -> None:
+        """`tensors`' rows, reordered by `rows` (each tensor's own order: llama.cpp's q and k differ from
+        transformers'), one matrix after another (q, k, v fused: one call)."""
+        super().__init__()
+        kinds = {t.kind for t in tensors}
+        if len(kinds) != 1 or not kinds <= {Q4_1, Q8_0}:
+            raise BlockError(f"{', '.join(t.name for t in tensors)}: blocks of {sorted(k.name for k in kinds)}, "
+                             "not all Q4_1 or all Q8_0")
+        raw = np.concatenate([t.data[order] for t, order in zip(tensors, rows, strict=True)])
+        self.kind = kinds.pop()
+        self.in_features = int(tensors[0].shape[0])
+        self.out_features = raw.shape[0]
+        self.packed = pack(raw, self.kind)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float weights the packed blocks hold ([out, in]), by gguf's arithmetic (d q + m, or d q, in
+        float32): the values transformers loads from the file, bit for bit, where the packing is right."""
+        tiles, blocks, _ = self.packed.shape
+        steps = 4 if self.kind == Q4_1 else 8
+        codes = self.packed[..., :steps * TILE * 4].reshape(tiles, blocks, steps, TILE, 4).permute(0, 3, 1, 2, 4)
+        halves = self.packed[..., steps * TILE * 4:].contiguous().view(torch.float16).float()  # [tiles, blocks, 16k]
+        scale = halves[..., :TILE].permute(0, 2, 1).unsqueeze(-1)  # [tiles, channel, blocks, 1]
+        if self.kind == Q4_1:
+            flat = codes.reshape(tiles, TILE, blocks, 16)
+            q = torch.cat([flat & 15, flat >> 4], dim=-1).float()
+            weights = scale * q + halves[..., TILE:].permute(0, 2, 1).unsqueeze(-1)
+        else:
+            weights = codes.reshape(tiles, TILE, blocks, 32).view(torch.int8).float() * scale
+        return weights.reshape(tiles * TILE, -1)[:self.out_features]
+
+    def forward(self, x: torch.Tensor, gain: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+        """x [..., in] (RMSNorm'd with `gain` first, when given) times the weights."""
+        return native.ops.block_linear(x, self.packed, self.out_features, gain, eps)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, blocks={self.kind.name}"
+
+
+class BlockLlamaLayer(RowwiseLlamaLayer):
+    """A Llama decoder layer over its GGUF blocks: RMSNorm (with its gain) and the fused q, k, v product in one
+    call, worker/native.cpp's heads and attention, then o_proj, the MLP and both residuals in one call."""
+
+    def __init__(self, layer: LlamaDecoderLayer, qkv: BlockLinear, o_proj: BlockLinear, gate_up: BlockLinear,
+                 down_proj: BlockLinear) -> None:
+        super().__init__(layer, native=True)
+        self.qkv, self.o_proj, self.gate_up, self.down_proj = qkv, o_proj, gate_up, down_proj
+        self.gains = (self.input_layernorm.weight.detach().float().contiguous(),
+                      self.post_attention_layernorm.weight.detach().float().contiguous())
+
+    def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
+        return self.qkv(x, self.gains[0], self.norm_eps)
+
+    def mlp_residual(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        return native.ops.block_mlp_residual(x, attended, self.o_proj.packed, self.gate_up.packed,
+                                             self.down_proj.packed, self.down_proj.in_features, self.gains[1],
+                                             self.norm_eps)
+
+
+def _llama_rows(n: int, heads: int) -> np.ndarray:
+    """Which of llama.cpp's q (or k) rows each of transformers' rows is: the file interleaves each head's two
+    rotary halves, and transformers' GGUF loader undoes that on load (the same reshape, on row numbers)."""
+    return np.arange(n).reshape(heads, n // heads // 2, 2).swapaxes(2, 1).reshape(n)
+
+
+def quantize_blocks(model: PreTrainedModel, path: str) -> int:
+    """Replace a plain Llama's decoder layers by `BlockLlamaLayer`s and its lm_head by a `BlockLinear`, over
+    the GGUF file at `path`'s blocks, in place; returns how many matrices. Each matrix's blocks must hold the
+    very weights the model was loaded with (checked, so that a file and a model that differ fail here, with
+    BlockError, and nothing is replaced)."""
+    from worker.quant import ROWWISE_ATTENTION, _fusable
+
+    if not _fusable(model) or model.dtype != torch.float32:
+        raise BlockError("GGUF blocks serve a plain float32 Llama only")
+    tensors = read_tensors(path)
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+
+    def linear(names: list[str], modules: list[nn.Linear], rows: list[np.ndarray | None] | None = None) -> BlockLinear:
+        missing = [name for name in names if name not in tensors]
+        if missing:
+            raise BlockError(f"{os.path.basename(path)} has no {', '.join(missing)}")
+        found = [tensors[name] for name in names]
+        orders = [np.arange(t.data.shape[0]) if r is None else r for t, r in zip(found, rows or [None] * len(names),
+                                                                                strict=True)]
+        block = BlockLinear(found, orders)
+        expected = torch.cat([m.weight.detach() for m in modules])
+        if block.out_features != expected.shape[0] or not torch.equal(block.dequantized(), expected):
+            raise BlockError(f"{', '.join(names)} do not hold the model's weights")
+        return block
+
+    layers = []
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp, blk = layer.self_attn, layer.mlp, f"blk.{i}."
+        qkv = linear([blk + "attn_q.weight", blk + "attn_k.weight", blk + "attn_v.weight"],
+                     [attn.q_proj, attn.k_proj, attn.v_proj],
+                     [_llama_rows(attn.q_proj.out_features, heads), _llama_rows(attn.k_proj.out_features, kv_heads),
+                      None])
+        layers.append(BlockLlamaLayer(layer, qkv, linear([blk + "attn_output.weight"], [attn.o_proj]),
+                                      linear([blk + "ffn_gate.weight", blk + "ffn_up.weight"],
+                                             [mlp.gate_proj, mlp.up_proj]),
+                                      linear([blk + "ffn_down.weight"], [mlp.down_proj])))
+    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    lm_head = linear([head], [model.lm_head])
+    for i, layer in enumerate(layers):
+        model.model.layers[i] = layer
+    model.lm_head = lm_head
+    model.set_attn_implementation(ROWWISE_ATTENTION)
+    return 7 * len(layers) + 1

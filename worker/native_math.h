@@ -1,0 +1,40 @@
+// Arithmetic shared by worker/native.cpp and worker/blocks.cpp.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace llmserve {
+
+// exp(x) for x in float range: 2^n times a polynomial on [-ln2/2, ln2/2] (Cephes' coefficients), a
+// couple of ulps from the exact value; plain arithmetic, so that loops over it vectorise. The polynomial of
+// x - n ln2 (ln2 in two parts), for a float or a vector of them (T{} + c: c in every lane).
+template <typename T>
+inline T exp_reduced(T x, T n) {
+  T r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  T p = T{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  return p * r * r + r + 1.0f;
+}
+
+inline float exp_poly(float x) {
+  x = std::min(88.0f, std::max(-87.0f, x));
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return exp_reduced(x, n) * scale;
+}
+
+// x [rows, 2 * width]: silu(first half) * second half, into out [rows, width], rows shared among the threads
+// (worker/native.cpp).
+void silu_mul(const float* x, float* out, int64_t rows, int64_t width);
+
+}  // namespace llmserve
