@@ -97,6 +97,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS / "peers.json"))
     parser.add_argument("--scripted-too", action="store_true",
                         help="a second llmserve series with WORKER_NATIVE=off (worker/native.cpp's kernels off)")
+    parser.add_argument("--int8-too", action="store_true",
+                        help="a llmserve series with WORKER_QUANT=int8 (worker/quant.py instead of the GGUF blocks)")
     args = parser.parse_args()
     gguf, threads, logs = bundled_gguf(), str(args.threads), Path("/tmp")
 
@@ -113,7 +115,8 @@ def main() -> None:
     missing = [name for name, (path, _, _) in peers.items() if not os.path.exists(path)]
     for name in missing:
         print(f"\n{name}: {peers.pop(name)[0]} not found, skipped")
-    ours = {"llmserve": {}, **({"llmserve-scripted": {"WORKER_NATIVE": "off"}} if args.scripted_too else {})}
+    ours = {"llmserve": {}, **({"llmserve-int8": {"WORKER_QUANT": "int8"}} if args.int8_too else {}),
+            **({"llmserve-scripted": {"WORKER_NATIVE": "off"}} if args.scripted_too else {})}
     rounds: dict[str, list[list[dict]]] = {name: [] for name in [*ours, *peers]}
     for _ in range(args.rounds):  # the servers take turns, so that each round sees one state of the machine
         for name, env in ours.items():

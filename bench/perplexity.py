@@ -1,13 +1,15 @@
-"""Issue 12, target 4: perplexity of the default model in float32 and in int8 (the CPU worker's default),
-on English text that ships with the Python install itself: the Language Reference's topics in
-`pydoc_data/topics.py` (what `help("assert")` prints), in sorted order, joined by blank lines.
+"""Issue 12, target 4: perplexity of the default model in float32, on its GGUF file's own blocks (the CPU
+worker's default, worker/blocks.py) and in int8 (worker/quant.py), on English text that ships with the Python
+install itself: the Language Reference's topics in `pydoc_data/topics.py` (what `help("assert")` prints), in
+sorted order, joined by blank lines.
 
 As llama.cpp's `llama-perplexity`: the tokens are cut into windows of 512, each window is one forward from
 an empty context, and the log-likelihood of each token given the window's tokens before it is scored two
 ways: every token of the window after the first ("both halves") and only the second half (tokens 256..511,
 each with at least 256 tokens of context, llama-perplexity's own figure). Also, as its `--kl-divergence`
-mode: the mean KL divergence of int8's next-token distribution from float32's, and how often both rank the
-same token first (second halves). Both models see the same windows; the tokenizer adds no BOS to plain text.
+mode: the mean KL divergence of each quantised model's next-token distribution from float32's, and how often
+both rank the same token first (second halves). All models see the same windows; the tokenizer adds no BOS to
+plain text.
 A third model, int8 without the rotation of worker/rotation.py, shows that change's part.
 """
 
@@ -74,14 +76,15 @@ def main() -> None:
 
     text, source = corpus()
     models = {quant: load_model(Settings(worker_threads=args.threads, worker_quant=quant))
-              for quant in ("none", "int8")}
+              for quant in ("none", "gguf", "int8")}
     models["int8_unrotated"] = load_model(Settings(worker_threads=args.threads, worker_quant="none"))
     quantize_int8(models["int8_unrotated"].model, rotate=False)  # what the int8 path was before worker/rotation.py
     ids = models["none"].tokenizer(text)["input_ids"]
     count = len(ids) // WINDOW if not args.windows else min(args.windows, len(ids) // WINDOW)
     half = WINDOW // 2
     sums = {quant: {"all": 0.0, "second_half": 0.0} for quant in models}
-    kl, agree = {"int8": 0.0, "int8_unrotated": 0.0}, {"int8": 0, "int8_unrotated": 0}
+    quantised = [quant for quant in models if quant != "none"]
+    kl, agree = dict.fromkeys(quantised, 0.0), dict.fromkeys(quantised, 0)
     seconds = {quant: 0.0 for quant in models}
     for index in range(count):
         window = ids[index * WINDOW:(index + 1) * WINDOW]
@@ -95,7 +98,7 @@ def main() -> None:
             sums[quant]["all"] += float(chosen.sum())
             sums[quant]["second_half"] += float(chosen[half - 1:].sum())  # predictions of tokens half..WINDOW-1
         reference = dists["none"][half - 1:]
-        for quant in ("int8", "int8_unrotated"):
+        for quant in quantised:
             other = dists[quant][half - 1:]
             kl[quant] += float((reference.exp() * (reference - other)).sum(dim=-1).double().sum())
             agree[quant] += int((reference.argmax(-1) == other.argmax(-1)).sum())
@@ -107,8 +110,7 @@ def main() -> None:
     result = {
         "setup": {"source": source, "characters": len(text), "tokens": len(ids), "window": WINDOW,
                   "windows": count, "threads": args.threads, "model": Settings().model},
-        "perplexity": {"float32": perplexity["none"], "int8": perplexity["int8"],
-                       "int8_unrotated": perplexity["int8_unrotated"]},
+        "perplexity": {("float32" if quant == "none" else quant): value for quant, value in perplexity.items()},
         "over_float32": {quant: {part: perplexity[quant][part] / perplexity["none"][part] for part in scored}
                          for quant in kl},
         "second_half_mean_kl_divergence": {quant: total / scored["second_half"] for quant, total in kl.items()},

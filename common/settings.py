@@ -82,6 +82,8 @@ class Settings:
                 raise SettingsError(f"{field.name.upper()}={value}: must not be negative")
         if self.drain_mode not in ("auto", "finish"):
             raise SettingsError(f"DRAIN_MODE={self.drain_mode!r}: expected auto or finish")
+        if self.worker_quant not in ("auto", "gguf", "int8", "none"):
+            raise SettingsError(f"WORKER_QUANT={self.worker_quant!r}: expected auto, gguf, int8 or none")
         if self.worker_native not in ("auto", "on", "off"):
             raise SettingsError(f"WORKER_NATIVE={self.worker_native!r}: expected auto, on or off")
         if self.scheduling_policy not in ("fair", "fifo"):

@@ -191,6 +191,7 @@ def test_the_settings_fail_or_fall_back_as_documented(monkeypatch: pytest.Monkey
         load_model(Settings(worker_threads=1, worker_quant="gguf", worker_native="off"))
     with caplog.at_level(logging.WARNING, logger="worker"):
         loaded = load_model(Settings(worker_threads=1, worker_native="off"))
+    assert loaded.weights == "int8"
     assert all(isinstance(layer, Int8LlamaLayer) and not layer.native for layer in loaded.model.model.layers)
     assert any("blocks cannot serve" in r.getMessage() for r in caplog.records)
     with pytest.raises(ValueError, match="WORKER_QUANT must be auto, gguf, int8 or none"):

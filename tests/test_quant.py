@@ -180,7 +180,7 @@ def test_a_migrated_request_continues_exactly_as_it_would_have(loaded: LoadedMod
 
 
 def test_an_unknown_worker_quant_fails_clearly() -> None:
-    with pytest.raises(ValueError, match="WORKER_QUANT must be auto, int8 or none, not 'int4'"):
+    with pytest.raises(ValueError, match="WORKER_QUANT must be auto, gguf, int8 or none, not 'int4'"):
         load_model(Settings(worker_quant="int4"))
 
 

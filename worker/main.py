@@ -105,7 +105,7 @@ class Worker:
 
     def run(self) -> None:
         log.info("worker ready", extra={"worker_id": self.id, "model": self.loaded.name,
-                                        "slots": self.settings.worker_slots})
+                                        "weights": self.loaded.weights, "slots": self.settings.worker_slots})
         heartbeats = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
         heartbeats.start()
         backoff = Backoff()

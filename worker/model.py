@@ -33,6 +33,7 @@ class LoadedModel:
     device: torch.device
     max_length: int
     eos_token_ids: list[int]
+    weights: str = "none"  # what the linear layers run on: gguf (the file's blocks), int8 or none (float)
 
     @property
     def vocab(self) -> int:
@@ -183,4 +184,4 @@ def load_model(settings: Settings) -> LoadedModel:
     eos = model.generation_config.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [tokenizer.eos_token_id])
     max_length = getattr(model.config, "max_position_embeddings", None) or tokenizer.model_max_length
-    return LoadedModel(settings.model, model, tokenizer, device, int(max_length), eos_ids)
+    return LoadedModel(settings.model, model, tokenizer, device, int(max_length), eos_ids, quant)

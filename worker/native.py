@@ -1,10 +1,11 @@
-"""The int8 layer's compiled kernels (worker/native.cpp), registered as torch.ops.llmserve.
+"""The CPU worker's compiled kernels, registered as torch.ops.llmserve: worker/native.cpp (the int8 layer's glue,
+the rotary heads and attention over each row's own keys) and worker/blocks.cpp (the GGUF blocks' products).
 
 Built on a worker's first start by torch's extension builder (a C++ compiler and ninja), into torch's cache
-(~/.cache/torch_extensions, or TORCH_EXTENSIONS_DIR), and loaded from there afterwards. `WORKER_NATIVE=auto`
-(the default) uses them when they build and otherwise keeps the TorchScript layer (worker/scripted.py), with
-a warning that says why (the worker image has no compiler); `on` stops the worker at start when they do not
-build; `off` never builds them.
+(~/.cache/torch_extensions, or TORCH_EXTENSIONS_DIR), and loaded from there afterwards (the worker image builds
+them while it is built). `WORKER_NATIVE=auto` (the default) uses them when they build and otherwise keeps the
+int8 TorchScript layer (worker/scripted.py), with a warning that says why; `on` stops the worker at start when
+they do not build; `off` never builds them.
 """
 
 from __future__ import annotations
