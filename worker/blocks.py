@@ -28,7 +28,7 @@ from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from worker import native
-from worker.quant import RowwiseLlamaLayer
+from worker.quant import ROWWISE_ATTENTION, RowwiseLlamaLayer, plain_llama
 
 Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
 TILE = 16  # output channels per tile: one 512-bit vector of 32-bit sums
@@ -193,9 +193,7 @@ def quantize_blocks(model: PreTrainedModel, path: str) -> int:
     the GGUF file at `path`'s blocks, in place; returns how many matrices. Each matrix's blocks must hold the
     very weights the model was loaded with (checked, so that a file and a model that differ fail here, with
     BlockError, and nothing is replaced)."""
-    from worker.quant import ROWWISE_ATTENTION, _fusable
-
-    if not _fusable(model) or model.dtype != torch.float32:
+    if not plain_llama(model) or model.dtype != torch.float32:
         raise BlockError("GGUF blocks serve a plain float32 Llama only")
     tensors = read_tensors(path)
     config = model.config

@@ -248,7 +248,7 @@ def rotary_factors(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, 
     return cos.unsqueeze(1), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(1)
 
 
-def _fusable(model: nn.Module) -> bool:
+def plain_llama(model: nn.Module) -> bool:
     """A plain Llama: SiLU MLP, no biases, default rotary embedding (what Int8LlamaLayer computes)."""
     config = getattr(model, "config", None)
     return (isinstance(model, LlamaForCausalLM) and config.hidden_act == "silu" and not config.mlp_bias
@@ -295,7 +295,7 @@ def quantize_int8(model: nn.Module, rotate: bool = True, native: bool = False) -
     engine = torch.backends.quantized.engine
     torch.backends.quantized.engine = "fbgemm"  # the forward's kernel needs fbgemm's packed weights
     try:
-        if _fusable(model):
+        if plain_llama(model):
             if rotate:
                 rotate_residual(model)
             width = model.config.intermediate_size
