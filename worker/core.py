@@ -80,6 +80,7 @@ class Engine(Protocol):
 class Model(Protocol):
     name: str
     max_length: int
+    weights: str  # what the linear layers run on, for the worker's log: gguf, int8, none (or sim)
 
     @property
     def vocab(self) -> int: ...

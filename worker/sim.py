@@ -27,9 +27,10 @@ VOCAB = (
 
 @dataclass
 class SimModel:
-    """What a worker needs of a model: a name, a context length and prompt token ids."""
+    """What a worker needs of a model: a name, a context length, what its weights are, and prompt token ids."""
 
     name: str = "sim"
+    weights: str = "sim"  # no weights: the test double's tokens
     max_length: int = 8192
     vocab: int = len(VOCAB)
 
