@@ -43,7 +43,7 @@ constexpr int64_t tile_block_bytes(int64_t type) { return code_bytes(type) + (ty
 // One row's activations, quantised per block: codes, each block's scale, and its scale times its codes' sum.
 struct Quantised {
   const int8_t* codes;
-  const uint8_t* biased;  // (Q8_0 only) codes + 128
+  const int8_t* biased;  // (Q8_0 only) codes + 128, read as unsigned
   const float* scale;
   const float* scaled_sum;
 };
@@ -237,7 +237,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tiles_avx512(const u
           correction[t] = _mm512_dpbusd_epi32(correction[t], offset, w[t]);
         }
         for (int r = 0; r < R; ++r) {
-          const __m512i q = _mm512_set1_epi32(four_bytes(reinterpret_cast<const int8_t*>(rows[r].biased) + b * kBlock + 4 * j));
+          const __m512i q = _mm512_set1_epi32(four_bytes(rows[r].biased + b * kBlock + 4 * j));
           for (int t = 0; t < T; ++t) sums[t][r] = _mm512_dpbusd_epi32(sums[t][r], q, w[t]);
         }
       }
@@ -364,8 +364,8 @@ void product(const float* x, int64_t rows, int64_t k, const at::Tensor& weights,
     quantise_rows(x + begin * k, end - begin, k, codes.data() + begin * k, scale.data() + begin * blocks,
                   scaled_sum.data() + begin * blocks);
   });
-  std::vector<uint8_t> biased(type == kQ8 ? rows * k : 0);  // codes + 128, unsigned: VNNI's Q8_0 operand
-  for (size_t i = 0; i < biased.size(); ++i) biased[i] = static_cast<uint8_t>(codes[i]) ^ 0x80;
+  std::vector<int8_t> biased(type == kQ8 && isa == kAvx512 ? rows * k : 0);  // VNNI's unsigned Q8_0 operand
+  for (size_t i = 0; i < biased.size(); ++i) biased[i] = static_cast<int8_t>(codes[i] ^ 0x80);
   std::vector<Quantised> quantised(rows);
   for (int64_t r = 0; r < rows; ++r) {
     quantised[r] = {codes.data() + r * k, biased.empty() ? nullptr : biased.data() + r * k,
@@ -444,7 +444,7 @@ at::Tensor block_mlp_residual(const at::Tensor& x, const at::Tensor& attended, c
   at::Tensor h = x + block_linear(attended, o_proj, width, std::nullopt, 0.0);
   at::Tensor gu = block_linear(h, gate_up, 2 * inner, gain, eps);
   at::Tensor mixed = at::empty({rows, inner}, x.options());
-  llmserve::silu_mul(gu.data_ptr<float>(), mixed.data_ptr<float>(), rows, inner);
+  llmserve::silu_mul_rows(gu.data_ptr<float>(), mixed.data_ptr<float>(), rows, inner, 0);
   return h.add_(block_linear(mixed, down_proj, width, std::nullopt, 0.0));
 }
 

@@ -106,7 +106,7 @@ def read_tensors(path: str) -> dict[str, FileTensor]:
 
 def pack(blocks: np.ndarray, kind: gguf.GGMLQuantizationType) -> torch.Tensor:
     """A matrix's rows of GGUF blocks ([n, bytes], uint8) packed for blocks.cpp: [tiles, blocks, tile bytes]."""
-    per_block = {Q4_1: 20, Q8_0: 34}[kind]
+    per_block = gguf.GGML_QUANT_SIZES[kind][1]
     n = blocks.shape[0]
     tiles = -(-n // TILE)
     rows = np.zeros((tiles * TILE, blocks.shape[1] // per_block, per_block), np.uint8)  # padded with zeros
@@ -124,15 +124,16 @@ def pack(blocks: np.ndarray, kind: gguf.GGMLQuantizationType) -> torch.Tensor:
 class BlockLinear(nn.Module):
     """A linear layer (no bias) over packed GGUF blocks, float32 in and out, through blocks.cpp."""
 
-    def __init__(self, tensors: list[FileTensor], rows: list[np.ndarray]) -> None:
-        """`tensors`' rows, reordered by `rows` (each tensor's own order: llama.cpp's q and k differ from
-        transformers'), one matrix after another (q, k, v fused: one call)."""
+    def __init__(self, tensors: list[FileTensor], rows: list[np.ndarray | None] | None = None) -> None:
+        """`tensors`' rows, each tensor's reordered by its entry of `rows` where that is not None (llama.cpp's q
+        and k differ from transformers'), one matrix after another (q, k, v fused: one call)."""
         super().__init__()
         kinds = {t.kind for t in tensors}
         if len(kinds) != 1 or not kinds <= {Q4_1, Q8_0}:
             raise BlockError(f"{', '.join(t.name for t in tensors)}: blocks of {sorted(k.name for k in kinds)}, "
                              "not all Q4_1 or all Q8_0")
-        raw = np.concatenate([t.data[order] for t, order in zip(tensors, rows, strict=True)])
+        orders = rows or [None] * len(tensors)
+        raw = np.concatenate([t.data if o is None else t.data[o] for t, o in zip(tensors, orders, strict=True)])
         self.kind = kinds.pop()
         self.in_features = int(tensors[0].shape[0])
         self.out_features = raw.shape[0]
@@ -174,7 +175,8 @@ class BlockLlamaLayer(RowwiseLlamaLayer):
                       self.post_attention_layernorm.weight.detach().float().contiguous())
 
     def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
-        return self.qkv(x, self.gains[0], self.norm_eps)
+        # The kernel itself: a module call's hooks cost more than nothing 30 times a step.
+        return native.ops.block_linear(x, self.qkv.packed, self.qkv.out_features, self.gains[0], self.norm_eps)
 
     def mlp_residual(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         return native.ops.block_mlp_residual(x, attended, self.o_proj.packed, self.gate_up.packed,
@@ -203,10 +205,7 @@ def quantize_blocks(model: PreTrainedModel, path: str) -> int:
         missing = [name for name in names if name not in tensors]
         if missing:
             raise BlockError(f"{os.path.basename(path)} has no {', '.join(missing)}")
-        found = [tensors[name] for name in names]
-        orders = [np.arange(t.data.shape[0]) if r is None else r for t, r in zip(found, rows or [None] * len(names),
-                                                                                strict=True)]
-        block = BlockLinear(found, orders)
+        block = BlockLinear([tensors[name] for name in names], rows)
         expected = torch.cat([m.weight.detach() for m in modules])
         if block.out_features != expected.shape[0] or not torch.equal(block.dequantized(), expected):
             raise BlockError(f"{', '.join(names)} do not hold the model's weights")

@@ -577,13 +577,6 @@ void silu_mul_rotate(const float* x, float* out, int64_t rows, int64_t width, in
   }
 }
 
-// silu_mul_rotate with the rows shared among the threads (rows apart: each row's bits its own).
-void silu_mul_rows(const float* x, float* out, int64_t rows, int64_t width, int64_t block) {
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    silu_mul_rotate(x + begin * 2 * width, out + begin * width, end - begin, width, block);
-  });
-}
-
 // The rest of a layer after attention, for a model whose norms have a gain of 1 (worker/rotation.py):
 // x + o_proj(attended), then + down_proj(rotated silu(gate) * up) of the normed sum.
 at::Tensor mlp_residual(const at::Tensor& x, const at::Tensor& attended, int64_t o_proj, int64_t gate_up,
@@ -594,14 +587,17 @@ at::Tensor mlp_residual(const at::Tensor& x, const at::Tensor& attended, int64_t
   TORCH_CHECK(block == 0 || ((block & (block - 1)) == 0 && width % block == 0),
               "llmserve::mlp_residual rotates blocks of a power of 2 that divides the width");
   at::Tensor mixed = at::empty({rows, width}, gu.options());
-  silu_mul_rows(gu.data_ptr<float>(), mixed.data_ptr<float>(), rows, width, block);
+  llmserve::silu_mul_rows(gu.data_ptr<float>(), mixed.data_ptr<float>(), rows, width, block);
   return h.add_(int8_linear(mixed, down_proj, std::nullopt, std::nullopt));
 }
 
 }  // namespace
 
-void llmserve::silu_mul(const float* x, float* out, int64_t rows, int64_t width) {
-  silu_mul_rows(x, out, rows, width, 0);
+// silu_mul_rotate with the rows shared among the threads (rows apart: each row's bits its own).
+void llmserve::silu_mul_rows(const float* x, float* out, int64_t rows, int64_t width, int64_t block) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    silu_mul_rotate(x + begin * 2 * width, out + begin * width, end - begin, width, block);
+  });
 }
 
 // Catch-all kernels: inference only, CPU tensors (the int8 path's).

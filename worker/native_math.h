@@ -33,8 +33,8 @@ inline float exp_poly(float x) {
   return exp_reduced(x, n) * scale;
 }
 
-// x [rows, 2 * width]: silu(first half) * second half, into out [rows, width], rows shared among the threads
-// (worker/native.cpp).
-void silu_mul(const float* x, float* out, int64_t rows, int64_t width);
+// x [rows, 2 * width]: silu(first half) * second half, into out [rows, width], then with `block` > 0 each run of
+// `block` channels Hadamard-rotated; rows shared among the threads (worker/native.cpp).
+void silu_mul_rows(const float* x, float* out, int64_t rows, int64_t width, int64_t block);
 
 }  // namespace llmserve
