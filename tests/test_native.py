@@ -143,6 +143,30 @@ def test_a_block_s_attention_is_causal_sdpa_s_to_rounding_and_each_row_its_own(l
         assert torch.equal(alone, got[row:row + 1])  # the batch changes no bit
 
 
+@pytest.mark.parametrize("length", [16, 5, 32])
+def test_a_block_s_attention_has_the_same_bits_at_either_vector_width(length: int) -> None:
+    """AVX-512's 16 lanes and AVX2's 8 compute each query's arithmetic in the same order (48 queries of a
+    group of 3: a pass of two vectors and one of a single vector at 16 lanes); the plain build, without fused
+    multiply-adds, agrees to rounding."""
+    most = ops.attention_isa(2)
+    torch.manual_seed(3)
+    lengths = [0, 16, 250, 700]
+    query, keys, values = (torch.randn(len(lengths), heads, length, 64) for heads in (9, 3, 3))
+    cached = [torch.randn(1, 3, 800, 64) for _ in range(2 * len(lengths))]
+    results = {}
+    try:
+        for isa in range(most + 1):
+            assert ops.attention_isa(isa) == isa
+            buffers = [b.clone() for b in cached]
+            results[isa] = ops.write_and_attend(query, buffers[:len(lengths)], buffers[len(lengths):], lengths, keys,
+                                                values, 0.125)
+    finally:
+        ops.attention_isa(most)
+    if most == 2:
+        assert torch.equal(results[1], results[2])
+    torch.testing.assert_close(results[0], results[most], rtol=1e-5, atol=1e-5)
+
+
 def test_a_decode_step_s_write_and_attention_in_one_call_are_the_two_calls_bit_for_bit() -> None:
     torch.manual_seed(1)
     lengths = [0, 4, 69, 256, 300]  # the first token of a row; short rows; a row whose keys take two runs

@@ -12,7 +12,8 @@
 // - mlp_residual: o_proj and its residual, the MLP with down_proj's input rotated by a fast Walsh-Hadamard
 //   transform (the block-diagonal Sylvester matrix of worker/rotation.py, without the matrix product).
 //
-// Compiled with -ffp-contract=off: a fused multiply-add would round differently from ATen's separate ones.
+// Compiled with -ffp-contract=off: a fused multiply-add would round differently from ATen's separate ones (the
+// block attention, which matches no ATen result, opts back in where the CPU has FMA).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -122,24 +123,6 @@ at::Tensor int8_linear(const at::Tensor& input, int64_t weight, const std::optio
 // own row, so neither the batch nor the threads change a bit, and a long row's keys are shared among the
 // threads (a single stream's decode step, a prompt deep in a long context).
 constexpr int64_t kSplit = 256;
-constexpr int64_t kLanes = 8;  // queries side by side in one vector (a block's queries): AVX2's width
-using Lanes = float __attribute__((vector_size(kLanes * sizeof(float)), aligned(sizeof(float))));
-using LaneInts = int32_t __attribute__((vector_size(kLanes * sizeof(int32_t)), aligned(sizeof(int32_t))));
-
-inline Lanes splat(float x) { return Lanes{} + x; }
-
-// exp_poly lane by lane, by the same operations (floor as truncation, less one where that rounded up).
-inline Lanes exp_lanes(Lanes x) {
-  x = x < splat(88.0f) ? x : splat(88.0f);
-  x = x > splat(-87.0f) ? x : splat(-87.0f);
-  const Lanes y = x * 1.44269504088896341f + 0.5f;
-  const Lanes whole = __builtin_convertvector(__builtin_convertvector(y, LaneInts), Lanes);
-  const LaneInts above = whole > y;  // -1 where truncation went up (negative y)
-  const Lanes n = whole + __builtin_convertvector(above, Lanes);
-  const LaneInts bits = (__builtin_convertvector(n, LaneInts) + 127) << 23;
-  return exp_reduced(x, n) * reinterpret_cast<const Lanes&>(bits);
-}
-
 // One new token per row (a decode step): the query heads sharing one key-value head (`group` of them) over
 // keys begin..end. Each key and value is read once for the whole group. DIM > 0: the head size known at
 // compile time (the dot products unroll into whole vectors); 0: read from `runtime_dim`. `scores`: room for
@@ -187,87 +170,164 @@ void attend_one(const float* q, int64_t q_head_stride, int64_t group, const floa
 }
 
 // Several queries per row (a prefill block), side by side in lanes: qt [dim, lanes] holds query L in column L
-// (lanes a multiple of 2 * kLanes; the padding columns are computed and ignored). Query L sees keys up to
+// (lanes a multiple of kLaneRound; the padding columns are computed and ignored). Query L sees keys up to
 // limits[L]. Scores [keys, lanes] and acc [dim, lanes]: each key's products with every query are whole-vector
-// multiplies by one number of the key, with no sum across a vector, so each lane's arithmetic is its own.
-__attribute__((target_clones("avx2", "default")))
-void attend_block(const float* qt, int64_t lanes, const float* keys, const float* values, int64_t begin,
-                  int64_t end, int64_t dim, const int32_t* limits, float scale, float* __restrict scores,
-                  float* __restrict m, float* __restrict l, float* acc) {
-  // Each pass keeps kTile keys (scores) or head channels (acc) times two vectors of queries in registers.
-  constexpr int64_t kTile = 4;
-  const int64_t n = end - begin;
-  for (int64_t v = 0; v < lanes; v += 2 * kLanes) {
-    int64_t j0 = 0;
-    for (; j0 + kTile <= n; j0 += kTile) {
-      Lanes low[kTile] = {}, high[kTile] = {};
-      const float* key = keys + (begin + j0) * dim;
-      for (int64_t d = 0; d < dim; ++d) {
-        const Lanes q0 = *reinterpret_cast<const Lanes*>(qt + d * lanes + v);
-        const Lanes q1 = *reinterpret_cast<const Lanes*>(qt + d * lanes + v + kLanes);
-#pragma GCC unroll 4
-        for (int64_t k = 0; k < kTile; ++k) {
-          const float x = key[k * dim + d];
-          low[k] += q0 * x;
-          high[k] += q1 * x;
-        }
-      }
+// multiplies by one number of the key, with no sum across a vector, so each lane's arithmetic is its own and
+// the vector width (AVX2's 8 floats, AVX-512's 16) changes no bit, only how many lanes one instruction takes.
+constexpr int64_t kLanes16 = 16;
+constexpr int64_t kLaneRound = kLanes16;  // lanes of a block: whole vectors of either width
+
+// The templates below are inlined into each kernel, so that they compile for its instruction set.
+
+// One pass of NV vectors of queries (lanes v.. of qt) over keys 0..n: their scores, kTile keys at a time.
+template <typename V, int NV>
+[[gnu::always_inline]] inline void score_pass(const float* qt, int64_t lanes, int64_t v, const float* keys, int64_t n, int64_t dim,
+                       float* scores) {
+  constexpr int64_t kTile = 4, W = sizeof(V) / sizeof(float);
+  int64_t j0 = 0;
+  for (; j0 + kTile <= n; j0 += kTile) {
+    V sum[kTile][NV] = {};
+    const float* key = keys + j0 * dim;
+    for (int64_t d = 0; d < dim; ++d) {
+      V q[NV];
+      for (int c = 0; c < NV; ++c) q[c] = *reinterpret_cast<const V*>(qt + d * lanes + v + c * W);
 #pragma GCC unroll 4
       for (int64_t k = 0; k < kTile; ++k) {
-        *reinterpret_cast<Lanes*>(scores + (j0 + k) * lanes + v) = low[k];
-        *reinterpret_cast<Lanes*>(scores + (j0 + k) * lanes + v + kLanes) = high[k];
+        const float x = key[k * dim + d];
+        for (int c = 0; c < NV; ++c) sum[k][c] += q[c] * x;
       }
     }
-    for (; j0 < n; ++j0) {
-      Lanes low = {}, high = {};
-      const float* key = keys + (begin + j0) * dim;
-      for (int64_t d = 0; d < dim; ++d) {
-        low += *reinterpret_cast<const Lanes*>(qt + d * lanes + v) * key[d];
-        high += *reinterpret_cast<const Lanes*>(qt + d * lanes + v + kLanes) * key[d];
-      }
-      *reinterpret_cast<Lanes*>(scores + j0 * lanes + v) = low;
-      *reinterpret_cast<Lanes*>(scores + j0 * lanes + v + kLanes) = high;
+    for (int64_t k = 0; k < kTile; ++k) {
+      for (int c = 0; c < NV; ++c) *reinterpret_cast<V*>(scores + (j0 + k) * lanes + v + c * W) = sum[k][c];
     }
   }
-  const Lanes none = splat(-INFINITY);
-  for (int64_t v = 0; v < lanes; v += kLanes) {  // scale, mask, then exp(score - the largest), by lanes
-    const LaneInts limit = *reinterpret_cast<const LaneInts*>(limits + v);
-    Lanes top = none;
+  for (; j0 < n; ++j0) {
+    V sum[NV] = {};
+    const float* key = keys + j0 * dim;
+    for (int64_t d = 0; d < dim; ++d) {
+      for (int c = 0; c < NV; ++c) sum[c] += *reinterpret_cast<const V*>(qt + d * lanes + v + c * W) * key[d];
+    }
+    for (int c = 0; c < NV; ++c) *reinterpret_cast<V*>(scores + j0 * lanes + v + c * W) = sum[c];
+  }
+}
+
+// The same pass's weighted sum of values, kTile head channels at a time, into acc [dim, lanes].
+template <typename V, int NV>
+[[gnu::always_inline]] inline void value_pass(const float* scores, int64_t lanes, int64_t v, const float* values, int64_t n, int64_t dim,
+                       float* acc) {
+  constexpr int64_t kTile = 4, W = sizeof(V) / sizeof(float);
+  for (int64_t d0 = 0; d0 < dim; d0 += kTile) {
+    V sum[kTile][NV] = {};
     for (int64_t j = 0; j < n; ++j) {
-      Lanes& row = *reinterpret_cast<Lanes*>(scores + j * lanes + v);
-      const LaneInts key = LaneInts{} + static_cast<int32_t>(begin + j);
+      V p[NV];
+      for (int c = 0; c < NV; ++c) p[c] = *reinterpret_cast<const V*>(scores + j * lanes + v + c * W);
+      const float* value = values + j * dim + d0;
+#pragma GCC unroll 4
+      for (int64_t k = 0; k < kTile; ++k) {
+        for (int c = 0; c < NV; ++c) sum[k][c] += p[c] * value[k];
+      }
+    }
+    for (int64_t k = 0; k < kTile; ++k) {
+      for (int c = 0; c < NV; ++c) *reinterpret_cast<V*>(acc + (d0 + k) * lanes + v + c * W) = sum[k][c];
+    }
+  }
+}
+
+// exp_poly lane by lane, by the same operations (floor as truncation, less one where that rounded up).
+template <typename V, typename I>
+[[gnu::always_inline]] inline V exp_lanes(V x) {
+  const V high = V{} + 88.0f, low = V{} - 87.0f;
+  x = x < high ? x : high;
+  x = x > low ? x : low;
+  const V y = x * 1.44269504088896341f + 0.5f;
+  const V whole = __builtin_convertvector(__builtin_convertvector(y, I), V);
+  const I above = whole > y;  // -1 where truncation went up (negative y)
+  const V n = whole + __builtin_convertvector(above, V);
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  return exp_reduced(x, n) * reinterpret_cast<const V&>(bits);
+}
+
+template <typename V, typename I>
+[[gnu::always_inline]] inline void attend_lanes(const float* qt, int64_t lanes, const float* keys, const float* values, int64_t begin,
+                         int64_t end, int64_t dim, const int32_t* limits, float scale, float* __restrict scores,
+                         float* __restrict m, float* __restrict l, float* acc) {
+  constexpr int64_t W = sizeof(V) / sizeof(float);
+  const int64_t n = end - begin;
+  keys += begin * dim;
+  values += begin * dim;
+  int64_t v = 0;
+  for (; v + 2 * W <= lanes; v += 2 * W) score_pass<V, 2>(qt, lanes, v, keys, n, dim, scores);
+  if (v < lanes) score_pass<V, 1>(qt, lanes, v, keys, n, dim, scores);
+  const V none = V{} - INFINITY;
+  for (v = 0; v < lanes; v += W) {  // scale, mask, then exp(score - the largest), by lanes
+    const I limit = *reinterpret_cast<const I*>(limits + v);
+    V top = none;
+    for (int64_t j = 0; j < n; ++j) {
+      V& row = *reinterpret_cast<V*>(scores + j * lanes + v);
+      const I key = I{} + static_cast<int32_t>(begin + j);
       row = key <= limit ? row * scale : none;
       top = top < row ? row : top;
     }
-    Lanes total = {};
+    V total = {};
     for (int64_t j = 0; j < n; ++j) {
-      Lanes& row = *reinterpret_cast<Lanes*>(scores + j * lanes + v);
-      row = row == none ? Lanes{} : exp_lanes(row - top);
+      V& row = *reinterpret_cast<V*>(scores + j * lanes + v);
+      row = row == none ? V{} : exp_lanes<V, I>(row - top);
       total += row;
     }
-    *reinterpret_cast<Lanes*>(m + v) = top;
-    *reinterpret_cast<Lanes*>(l + v) = total;
+    *reinterpret_cast<V*>(m + v) = top;
+    *reinterpret_cast<V*>(l + v) = total;
   }
-  for (int64_t v = 0; v < lanes; v += 2 * kLanes) {
-    for (int64_t d0 = 0; d0 < dim; d0 += kTile) {
-      Lanes low[kTile] = {}, high[kTile] = {};
-      for (int64_t j = 0; j < n; ++j) {
-        const Lanes p0 = *reinterpret_cast<const Lanes*>(scores + j * lanes + v);
-        const Lanes p1 = *reinterpret_cast<const Lanes*>(scores + j * lanes + v + kLanes);
-        const float* value = values + (begin + j) * dim + d0;
-#pragma GCC unroll 4
-        for (int64_t k = 0; k < kTile; ++k) {
-          low[k] += p0 * value[k];
-          high[k] += p1 * value[k];
-        }
-      }
-#pragma GCC unroll 4
-      for (int64_t k = 0; k < kTile; ++k) {
-        *reinterpret_cast<Lanes*>(acc + (d0 + k) * lanes + v) = low[k];
-        *reinterpret_cast<Lanes*>(acc + (d0 + k) * lanes + v + kLanes) = high[k];
-      }
-    }
-  }
+  for (v = 0; v + 2 * W <= lanes; v += 2 * W) value_pass<V, 2>(scores, lanes, v, values, n, dim, acc);
+  if (v < lanes) value_pass<V, 1>(scores, lanes, v, values, n, dim, acc);
+}
+
+using Lanes8 = float __attribute__((vector_size(8 * sizeof(float)), aligned(sizeof(float))));
+using Ints8 = int32_t __attribute__((vector_size(8 * sizeof(int32_t)), aligned(sizeof(int32_t))));
+using Lanes16 = float __attribute__((vector_size(16 * sizeof(float)), aligned(sizeof(float))));
+using Ints16 = int32_t __attribute__((vector_size(16 * sizeof(int32_t)), aligned(sizeof(int32_t))));
+
+using BlockKernel = void (*)(const float*, int64_t, const float*, const float*, int64_t, int64_t, int64_t,
+                             const int32_t*, float, float*, float*, float*, float*);
+
+// Three builds of the block kernel. With AVX2 or AVX-512 each product and its sum are one fused multiply-add
+// (the kernel's own rounding: no ATen result to match here), so the two widths give the same bits; the plain
+// build has no FMA instruction to use.
+void attend_block_plain(const float* qt, int64_t lanes, const float* keys, const float* values, int64_t begin,
+                        int64_t end, int64_t dim, const int32_t* limits, float scale, float* scores, float* m,
+                        float* l, float* acc) {
+  attend_lanes<Lanes8, Ints8>(qt, lanes, keys, values, begin, end, dim, limits, scale, scores, m, l, acc);
+}
+
+__attribute__((target("avx2,fma"), optimize("fp-contract=fast")))
+void attend_block_avx2(const float* qt, int64_t lanes, const float* keys, const float* values, int64_t begin,
+                       int64_t end, int64_t dim, const int32_t* limits, float scale, float* scores, float* m,
+                       float* l, float* acc) {
+  attend_lanes<Lanes8, Ints8>(qt, lanes, keys, values, begin, end, dim, limits, scale, scores, m, l, acc);
+}
+
+__attribute__((target("avx512f,fma"), optimize("fp-contract=fast")))
+void attend_block_avx512(const float* qt, int64_t lanes, const float* keys, const float* values, int64_t begin,
+                         int64_t end, int64_t dim, const int32_t* limits, float scale, float* scores, float* m,
+                         float* l, float* acc) {
+  attend_lanes<Lanes16, Ints16>(qt, lanes, keys, values, begin, end, dim, limits, scale, scores, m, l, acc);
+}
+
+// 0 plain, 1 AVX2 with FMA, 2 AVX-512: the most this CPU has; attention_isa lowers it (tests compare them).
+int64_t detected_attention_isa() {
+  if (__builtin_cpu_supports("avx512f")) return 2;
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+}
+
+int64_t block_attention_isa = detected_attention_isa();
+
+int64_t attention_isa(int64_t most) {
+  block_attention_isa = std::min(std::max<int64_t>(most, 0), detected_attention_isa());
+  return block_attention_isa;
+}
+
+BlockKernel block_kernel() {
+  return block_attention_isa == 2 ? attend_block_avx512 : block_attention_isa == 1 ? attend_block_avx2
+                                                                                   : attend_block_plain;
 }
 
 // Where one row's keys and values lie: kv head h's n tokens from keys + h * key_stride (values + h *
@@ -292,7 +352,7 @@ void attend(const at::Tensor& query, const std::vector<RowCache>& rows, int64_t 
             at::Tensor& out) {
   const int64_t q_heads = query.size(1), t = query.size(2), dim = query.size(3), group = q_heads / kv_heads;
   TORCH_CHECK(t == 1 || dim % 4 == 0, "llmserve: attention over several tokens needs a head size in 4s");
-  const int64_t queries = group * t, lanes = t == 1 ? group : (queries + 2 * kLanes - 1) / (2 * kLanes) * 2 * kLanes;
+  const int64_t queries = group * t, lanes = t == 1 ? group : (queries + kLaneRound - 1) / kLaneRound * kLaneRound;
   const int64_t width = lanes * (dim + 2);  // a unit's m, l and acc
   std::vector<Unit> units;
   std::vector<int64_t> firsts;  // each (row, head)'s first unit, then the end of the last
@@ -309,6 +369,7 @@ void attend(const at::Tensor& query, const std::vector<RowCache>& rows, int64_t 
   const float* q = query.data_ptr<float>();
   const float scale = static_cast<float>(scaling);
   auto one = dim == 64 ? attend_one<64> : dim == 128 ? attend_one<128> : attend_one<0>;
+  const BlockKernel block = block_kernel();
   at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t from, int64_t to) {
     std::vector<float> scores(kSplit * lanes), qt(t == 1 ? 0 : dim * lanes);
     std::vector<int32_t> limits(lanes);
@@ -330,8 +391,7 @@ void attend(const at::Tensor& query, const std::vector<RowCache>& rows, int64_t 
           qt[d * lanes + L] = L < queries ? head_q[g * query.stride(1) + i * query.stride(2) + d] : 0.0f;
         }
       }
-      attend_block(qt.data(), lanes, keys, values, unit.begin, unit.end, dim, limits.data(), scale, scores.data(), m,
-                   l, acc);
+      block(qt.data(), lanes, keys, values, unit.begin, unit.end, dim, limits.data(), scale, scores.data(), m, l, acc);
     }
   });
   // Each (row, head)'s units in key order: exp(m - top) rescales each to the largest score of all.
@@ -617,6 +677,7 @@ TORCH_LIBRARY(llmserve, m) {
   m.def("write_and_attend(Tensor query, Tensor[] key_buffers, Tensor[] value_buffers, int[] lengths, Tensor keys, "
         "Tensor values, float scaling) -> Tensor",
         &write_and_attend);
+  m.def("attention_isa(int most) -> int", &attention_isa);
   m.def("mlp_residual(Tensor x, Tensor attended, int o_proj, int gate_up, int down_proj, float eps, int block) "
         "-> Tensor",
         &mlp_residual);
