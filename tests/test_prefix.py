@@ -18,7 +18,14 @@ from llmserve.bench.workload import Lengths, make_jobs
 from scheduler.policy import EXPECTED_LIMIT, EXPECTED_TTL, Queued, WaitingQueue, WorkerState, choose, plan
 from tests.conftest import RunningStack, wait_for
 from worker.core import StepOutput
-from worker.engine import DEFAULT_CHUNK, IDLE_PASS_TOKENS, Engine
+from worker.engine import (
+    ATTENTION_KEYS_PER_TOKEN,
+    DEFAULT_CHUNK,
+    IDLE_PASS_TOKENS,
+    MIN_CHUNK_TOKENS,
+    Engine,
+    chunk_tokens,
+)
 from worker.model import LoadedModel, load_model
 from worker.prefix import HeldPrefixes, PrefixStore, block_digests
 
@@ -131,23 +138,51 @@ def test_a_prompt_waits_for_a_block_another_is_computing_and_takes_it_from_the_c
 def test_a_long_prompt_is_prefilled_alongside_decode_steps_and_a_short_one_overtakes_it(loaded: LoadedModel) -> None:
     engine = Engine(loaded, 16, prefix_bytes=0)
     long_prompt = chat(loaded, QUESTIONS[0])
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)
     engine.add("running", loaded.tokenizer("The quick brown")["input_ids"], params)
     engine.step()
     engine.add("long", long_prompt, params)
     kinds, firsts = [], {}
-    for step in range(len(long_prompt) // engine.block + 4):
+    for step in range(len(long_prompt) // MIN_CHUNK_TOKENS + 4):
         if step == 3:
             engine.add("short", loaded.tokenizer("Paris is")["input_ids"], params)
         result = engine.step()
         kinds.append((result.kind, sorted(out.request_id for out in result.outputs)))
         for out in result.outputs:
             firsts.setdefault(out.request_id, step)
-    blocks = -(-len(long_prompt) // engine.block)
-    # Every step decodes the running stream and carries one block: the long prompt never holds it up.
-    assert all(kind == "mixed" and "running" in ids for kind, ids in kinds[:blocks + 1])
-    assert all(kind == "decode" for kind, _ in kinds[blocks + 1:])
-    assert firsts["short"] < firsts["long"] == blocks  # one more block: the short one went first
+    # Every step decodes the running stream and carries a chunk: the long prompt never holds it up.
+    assert all(kind == "mixed" and "running" in ids for kind, ids in kinds[:firsts["long"] + 1])
+    assert all(kind == "decode" for kind, _ in kinds[firsts["long"] + 1:])
+    assert firsts["short"] < firsts["long"]  # the short one went first
+    if engine.blocks_together:  # deeper in the prompt, smaller chunks: more steps than its blocks
+        assert firsts["long"] > -(-len(long_prompt) // engine.block)
+
+
+def test_a_chunk_shrinks_with_its_depth_in_the_prompt_so_that_its_cost_stays_about_the_same() -> None:
+    assert chunk_tokens(16, 0) == 16 and chunk_tokens(256, 0) == 256
+    sizes = [chunk_tokens(64, depth) for depth in range(0, 20000, 100)]
+    assert sizes == sorted(sizes, reverse=True) and sizes[-1] == MIN_CHUNK_TOKENS
+    for depth in (0, 500, 1000, 2000):  # tokens times (ATTENTION_KEYS_PER_TOKEN + the keys each sees)
+        cost = chunk_tokens(64, depth) * (ATTENTION_KEYS_PER_TOKEN + depth)
+        assert 0.9 * 64 * ATTENTION_KEYS_PER_TOKEN <= cost <= 64 * ATTENTION_KEYS_PER_TOKEN
+    assert chunk_tokens(16, 4000) == MIN_CHUNK_TOKENS
+
+
+def test_blocks_prefilled_in_small_chunks_beside_a_stream_give_a_later_hit_the_bits_of_a_miss(
+        loaded: LoadedModel) -> None:
+    engine = Engine(loaded, 16)
+    engine.add("stream", loaded.tokenizer("The quick brown")["input_ids"],
+               SamplingParams(max_tokens=300, temperature=0, ignore_eos=True))
+    engine.step()
+    first, second = chat(loaded, QUESTIONS[2]), chat(loaded, QUESTIONS[3])
+    assert chunk_tokens(DEFAULT_CHUNK, len(first)) < engine.block  # its last chunks are smaller than a block
+    assert run(engine, {0: [("first", first)]})["first"] == alone(loaded, first)
+    before = hit_tokens()
+    engine.add("stream2", loaded.tokenizer("Once upon")["input_ids"],
+               SamplingParams(max_tokens=300, temperature=0, ignore_eos=True))
+    engine.step()
+    assert run(engine, {0: [("second", second)]})["second"] == alone(loaded, second)
+    assert hit_tokens() > before
 
 
 def test_without_a_running_batch_prefill_steps_follow_each_other_and_take_more_than_a_chunk(

@@ -9,7 +9,8 @@ rides in the decode step itself, one pass over both (worker/forward.py). Each fo
 [rows, block] over a cache without padding, and the kernels compute its rows independently: a block's keys
 and values depend only on the tokens up to its end. The compiled int8 layer computes every token of a run of
 blocks as its own block's forward would (worker/quant.py's takes_blocks_together), so there a chunk is one
-forward, and with nothing running a prefill step takes up to IDLE_PASS_TOKENS. So a prompt whose leading
+forward of any number of tokens: in a decode step, fewer the deeper it is in its prompt (chunk_tokens), and
+with nothing running up to IDLE_PASS_TOKENS. So a prompt whose leading
 blocks are in the prefix cache (worker/prefix.py) takes them from there and computes the rest exactly as it
 would have, and neither the cache, nor the chunking, nor group-mates change a bit of its output.
 
@@ -154,6 +155,18 @@ DEFAULT_BLOCK_CUDA = 256
 DEFAULT_CHUNK = Settings.prefill_chunk
 # Prompt tokens a prefill step may take while no sequence is running, and one forward of several blocks at most.
 IDLE_PASS_TOKENS = 256
+# Cached keys whose attention costs a prompt token about as much as the rest of its forward (the default model on
+# 2 CPU cores: bench/chunked_prefill.py's mixed steps), and the fewest tokens a chunk takes in a decode step.
+ATTENTION_KEYS_PER_TOKEN = 1024
+MIN_CHUNK_TOKENS = 4
+
+
+def chunk_tokens(chunk: int, depth: int) -> int:
+    """Tokens of a prompt's next chunk in a decode step, `depth` tokens into it: `chunk` at its start, fewer
+    deeper in, where each token also attends over every key before it, so that a chunk adds about the same time
+    to the running streams' step at any depth."""
+    deep = chunk * ATTENTION_KEYS_PER_TOKEN // (ATTENTION_KEYS_PER_TOKEN + depth)
+    return min(chunk, max(MIN_CHUNK_TOKENS, deep))
 DEFAULT_PREFIX_BYTES = Settings.prefix_cache_bytes
 
 
@@ -289,14 +302,26 @@ class Engine:
 
     def _mixed_step(self) -> list[StepOutput]:
         group, batch = self._next_group(), self.batch
-        blocks = self._pass_blocks(group, self.chunk_blocks)
-        chunk_part = self._chunk_part(group, blocks)
+        chunk_part = self._chunk_part(group, self._mixed_tokens(group))
         decode_logits, chunk_logits = forward_parts(self.loaded.model, [self._decode_part(batch), chunk_part])
         batch.positions = batch.positions + 1
+        before = group.depth
         group.depth += chunk_part.ids.shape[1]
         outputs = self._advance(decode_logits, first_row=0)
-        outputs += self._after_chunk(group, chunk_logits, blocks)
-        return outputs + self._advance_group(group, self.chunk_blocks - blocks)
+        outputs += self._after_chunk(group, chunk_logits, before)
+        # (Elsewhere the rest of the chunk, a block a forward; and a group that has ended leaves the list.)
+        return outputs + self._advance_group(group, 0 if self.blocks_together else self.chunk_blocks - 1)
+
+    def _mixed_tokens(self, group: _Prefill) -> int:
+        """Tokens of `group`'s chunk in this decode step: one block where a forward's shape may change its bits;
+        else chunk_tokens' share, up to the group's end and IDLE_PASS_TOKENS over its rows. (Whatever their
+        number, each token's keys and values are those its block's own forward computes, so a prompt's blocks
+        in the prefix cache stay the same.)"""
+        if not self.blocks_together:
+            return self.block
+        left = max(len(s.prompt_ids) for s in group.sequences) - group.depth
+        most = chunk_tokens(self.chunk_blocks * self.block, group.depth)
+        return max(MIN_CHUNK_TOKENS, min(most, left, IDLE_PASS_TOKENS // len(group.sequences)))
 
     def _start_prefills(self) -> None:
         """Move waiting sequences, as slots allow, into prefill groups at the depth of their cached prefix.
@@ -355,7 +380,8 @@ class Engine:
         done = 0
         while group.sequences and (blocks is None or done < blocks):
             count = self._pass_blocks(group, IDLE_PASS_TOKENS // self.block if blocks is None else blocks - done)
-            outputs += self._after_chunk(group, self._forward_chunk(group, count), count)
+            before = group.depth
+            outputs += self._after_chunk(group, self._forward_chunk(group, count * self.block), before)
             done += count
         if not group.sequences and group in self.prefills:
             self.prefills.remove(group)
@@ -370,10 +396,10 @@ class Engine:
         fits = IDLE_PASS_TOKENS // (self.block * len(group.sequences))
         return max(1, min(most, group.remaining(self.block), fits))
 
-    def _after_chunk(self, group: _Prefill, logits: torch.Tensor, blocks: int) -> list[StepOutput]:
-        """After the next `blocks` blocks of every row of `group`: rows whose prompts end in them join the
-        running batch."""
-        for index in range(group.depth // self.block - blocks, group.depth // self.block):
+    def _after_chunk(self, group: _Prefill, logits: torch.Tensor, before: int) -> list[StepOutput]:
+        """After a chunk of every row of `group` from depth `before`: the blocks it completed go to the prefix
+        cache, and rows whose prompts end in it join the running batch."""
+        for index in range(before // self.block, group.depth // self.block):
             self._store_block(group, index)
         ended = [r for r, s in enumerate(group.sequences) if len(s.prompt_ids) <= group.depth]
         if not ended:
@@ -382,10 +408,10 @@ class Engine:
         group.select([r for r in range(len(group.sequences)) if r not in ended])
         return self._join(joiners)
 
-    def _forward_chunk(self, group: _Prefill, blocks: int) -> torch.Tensor:
-        """Forward [rows, blocks * block] tokens at positions depth..; returns each row's logits at its last
-        token in them (a row's last block is padded after its end, which causal attention keeps out of it)."""
-        part = self._chunk_part(group, blocks)
+    def _forward_chunk(self, group: _Prefill, tokens: int) -> torch.Tensor:
+        """Forward [rows, tokens] at positions depth..; returns each row's logits at its last token in them (a
+        row's last chunk is padded after its end, which causal attention keeps out of it)."""
+        part = self._chunk_part(group, tokens)
         logits = self._forward(part, lambda: torch.ones(part.ids.shape[0], part.depth + part.ids.shape[1],
                                                         dtype=torch.long, device=part.ids.device))
         group.depth += part.ids.shape[1]
@@ -400,8 +426,8 @@ class Engine:
         return self.loaded.model(input_ids=part.ids, attention_mask=mask(), position_ids=part.positions,
                                  cache=part.cache, use_cache=True, logits_to_keep=keep).logits[:, -1]
 
-    def _chunk_part(self, group: _Prefill, blocks: int) -> Part:
-        """The inputs of `group`'s next `blocks` blocks (its cache made at the first)."""
+    def _chunk_part(self, group: _Prefill, tokens: int) -> Part:
+        """The inputs of `group`'s next `tokens` tokens (its cache made at the first chunk)."""
         device, depth = self.loaded.device, group.depth
         if group.cache is None:
             # Room for the longest prompt, its padding and the first tokens after it: no copy while prefilling.
@@ -410,8 +436,8 @@ class Engine:
             group.cache = stacked_cache(config, group.restored, self.ragged, room) if group.restored \
                 else new_cache(config, self.ragged, room)
             group.restored = []
-        pieces = [s.prompt_ids[depth:depth + blocks * self.block] for s in group.sequences]
-        width = blocks * self.block if self.exact_blocks else len(pieces[0])
+        pieces = [s.prompt_ids[depth:depth + tokens] for s in group.sequences]
+        width = tokens if self.exact_blocks else len(pieces[0])
         pad = self.loaded.eos_token_ids[0]
         ids = torch.tensor([piece + [pad] * (width - len(piece)) for piece in pieces], device=device)
         positions = torch.arange(depth, depth + width, device=device).expand(len(pieces), width)
