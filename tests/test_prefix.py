@@ -185,6 +185,20 @@ def test_blocks_prefilled_in_small_chunks_beside_a_stream_give_a_later_hit_the_b
     assert hit_tokens() > before
 
 
+def test_prompts_of_one_token_a_few_and_many_prefilled_together_beside_a_stream_are_each_exact(
+        loaded: LoadedModel) -> None:
+    """Rows of one group end at different chunks, some inside a chunk smaller than a block, one in its first."""
+    engine = Engine(loaded, 16, prefix_bytes=0)
+    engine.add("stream", loaded.tokenizer("The quick brown")["input_ids"],
+               SamplingParams(max_tokens=120, temperature=0, ignore_eos=True))
+    engine.step()
+    long_ids = chat(loaded, QUESTIONS[1])
+    prompts = {"one": long_ids[:1], "few": long_ids[:6], "odd": long_ids[:37], "long": long_ids}
+    together = run(engine, {0: list(prompts.items())})
+    for name, ids in prompts.items():
+        assert together[name] == alone(loaded, ids), name
+
+
 def test_without_a_running_batch_prefill_steps_follow_each_other_and_take_more_than_a_chunk(
         loaded: LoadedModel) -> None:
     engine = Engine(loaded, 16, prefix_bytes=0)

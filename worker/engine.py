@@ -147,14 +147,14 @@ class _Prefill:
             select_rows(self.cache, rows)
 
 
-# A block's forward is the least a prefill step can add between two decode steps. On a CPU, attention deep
-# in a long prompt dominates it (16 tokens after 2,000 cost about one decode step of 16 rows); a GPU needs
-# many tokens per forward to be busy.
+# A block's forward is the least a prefill step of its own can add between two decode steps (a chunk in a
+# decode step may take less: chunk_tokens); a GPU needs many tokens per forward to be busy.
 DEFAULT_BLOCK_CPU = 16
 DEFAULT_BLOCK_CUDA = 256
 DEFAULT_CHUNK = Settings.prefill_chunk
 # Prompt tokens a prefill step may take while no sequence is running, and one forward of several blocks at most.
 IDLE_PASS_TOKENS = 256
+DEFAULT_PREFIX_BYTES = Settings.prefix_cache_bytes
 # Cached keys whose attention costs a prompt token about as much as the rest of its forward (the default model on
 # 2 CPU cores: bench/chunked_prefill.py's mixed steps), and the fewest tokens a chunk takes in a decode step.
 ATTENTION_KEYS_PER_TOKEN = 1024
@@ -167,7 +167,6 @@ def chunk_tokens(chunk: int, depth: int) -> int:
     to the running streams' step at any depth."""
     deep = chunk * ATTENTION_KEYS_PER_TOKEN // (ATTENTION_KEYS_PER_TOKEN + depth)
     return min(chunk, max(MIN_CHUNK_TOKENS, deep))
-DEFAULT_PREFIX_BYTES = Settings.prefix_cache_bytes
 
 
 class Engine:
