@@ -174,15 +174,27 @@ void attend_one(const float* q, int64_t q_head_stride, int64_t group, const floa
 // limits[L]. Scores [keys, lanes] and acc [dim, lanes]: each key's products with every query are whole-vector
 // multiplies by one number of the key, with no sum across a vector, so each lane's arithmetic is its own and
 // the vector width (AVX2's 8 floats, AVX-512's 16) changes no bit, only how many lanes one instruction takes.
-constexpr int64_t kLanes16 = 16;
-constexpr int64_t kLaneRound = kLanes16;  // lanes of a block: whole vectors of either width
+constexpr int64_t kLaneRound = 16;  // lanes of a block: whole vectors of either width
+
+// One unit's work for the block kernel: its queries, keys begin..end, and where its results go.
+struct BlockWork {
+  const float* qt;
+  int64_t lanes;
+  const float* keys;
+  const float* values;
+  int64_t begin, end, dim;
+  const int32_t* limits;
+  float scale;
+  float* scores;
+  float *m, *l, *acc;
+};
 
 // The templates below are inlined into each kernel, so that they compile for its instruction set.
 
 // One pass of NV vectors of queries (lanes v.. of qt) over keys 0..n: their scores, kTile keys at a time.
 template <typename V, int NV>
-[[gnu::always_inline]] inline void score_pass(const float* qt, int64_t lanes, int64_t v, const float* keys, int64_t n, int64_t dim,
-                       float* scores) {
+[[gnu::always_inline]] inline void score_pass(const float* qt, int64_t lanes, int64_t v, const float* keys,
+                                              int64_t n, int64_t dim, float* scores) {
   constexpr int64_t kTile = 4, W = sizeof(V) / sizeof(float);
   int64_t j0 = 0;
   for (; j0 + kTile <= n; j0 += kTile) {
@@ -213,8 +225,8 @@ template <typename V, int NV>
 
 // The same pass's weighted sum of values, kTile head channels at a time, into acc [dim, lanes].
 template <typename V, int NV>
-[[gnu::always_inline]] inline void value_pass(const float* scores, int64_t lanes, int64_t v, const float* values, int64_t n, int64_t dim,
-                       float* acc) {
+[[gnu::always_inline]] inline void value_pass(const float* scores, int64_t lanes, int64_t v, const float* values,
+                                              int64_t n, int64_t dim, float* acc) {
   constexpr int64_t kTile = 4, W = sizeof(V) / sizeof(float);
   for (int64_t d0 = 0; d0 < dim; d0 += kTile) {
     V sum[kTile][NV] = {};
@@ -248,24 +260,22 @@ template <typename V, typename I>
 }
 
 template <typename V, typename I>
-[[gnu::always_inline]] inline void attend_lanes(const float* qt, int64_t lanes, const float* keys, const float* values, int64_t begin,
-                         int64_t end, int64_t dim, const int32_t* limits, float scale, float* __restrict scores,
-                         float* __restrict m, float* __restrict l, float* acc) {
+[[gnu::always_inline]] inline void attend_lanes(const BlockWork& work) {
   constexpr int64_t W = sizeof(V) / sizeof(float);
-  const int64_t n = end - begin;
-  keys += begin * dim;
-  values += begin * dim;
+  const int64_t lanes = work.lanes, begin = work.begin, n = work.end - begin, dim = work.dim;
+  const float *keys = work.keys + begin * dim, *values = work.values + begin * dim;
+  float* __restrict scores = work.scores;
   int64_t v = 0;
-  for (; v + 2 * W <= lanes; v += 2 * W) score_pass<V, 2>(qt, lanes, v, keys, n, dim, scores);
-  if (v < lanes) score_pass<V, 1>(qt, lanes, v, keys, n, dim, scores);
+  for (; v + 2 * W <= lanes; v += 2 * W) score_pass<V, 2>(work.qt, lanes, v, keys, n, dim, scores);
+  if (v < lanes) score_pass<V, 1>(work.qt, lanes, v, keys, n, dim, scores);
   const V none = V{} - INFINITY;
   for (v = 0; v < lanes; v += W) {  // scale, mask, then exp(score - the largest), by lanes
-    const I limit = *reinterpret_cast<const I*>(limits + v);
+    const I limit = *reinterpret_cast<const I*>(work.limits + v);
     V top = none;
     for (int64_t j = 0; j < n; ++j) {
       V& row = *reinterpret_cast<V*>(scores + j * lanes + v);
       const I key = I{} + static_cast<int32_t>(begin + j);
-      row = key <= limit ? row * scale : none;
+      row = key <= limit ? row * work.scale : none;
       top = top < row ? row : top;
     }
     V total = {};
@@ -274,11 +284,11 @@ template <typename V, typename I>
       row = row == none ? V{} : exp_lanes<V, I>(row - top);
       total += row;
     }
-    *reinterpret_cast<V*>(m + v) = top;
-    *reinterpret_cast<V*>(l + v) = total;
+    *reinterpret_cast<V*>(work.m + v) = top;
+    *reinterpret_cast<V*>(work.l + v) = total;
   }
-  for (v = 0; v + 2 * W <= lanes; v += 2 * W) value_pass<V, 2>(scores, lanes, v, values, n, dim, acc);
-  if (v < lanes) value_pass<V, 1>(scores, lanes, v, values, n, dim, acc);
+  for (v = 0; v + 2 * W <= lanes; v += 2 * W) value_pass<V, 2>(scores, lanes, v, values, n, dim, work.acc);
+  if (v < lanes) value_pass<V, 1>(scores, lanes, v, values, n, dim, work.acc);
 }
 
 using Lanes8 = float __attribute__((vector_size(8 * sizeof(float)), aligned(sizeof(float))));
@@ -286,31 +296,18 @@ using Ints8 = int32_t __attribute__((vector_size(8 * sizeof(int32_t)), aligned(s
 using Lanes16 = float __attribute__((vector_size(16 * sizeof(float)), aligned(sizeof(float))));
 using Ints16 = int32_t __attribute__((vector_size(16 * sizeof(int32_t)), aligned(sizeof(int32_t))));
 
-using BlockKernel = void (*)(const float*, int64_t, const float*, const float*, int64_t, int64_t, int64_t,
-                             const int32_t*, float, float*, float*, float*, float*);
+using BlockKernel = void (*)(const BlockWork&);
 
 // Three builds of the block kernel. With AVX2 or AVX-512 each product and its sum are one fused multiply-add
 // (the kernel's own rounding: no ATen result to match here), so the two widths give the same bits; the plain
 // build has no FMA instruction to use.
-void attend_block_plain(const float* qt, int64_t lanes, const float* keys, const float* values, int64_t begin,
-                        int64_t end, int64_t dim, const int32_t* limits, float scale, float* scores, float* m,
-                        float* l, float* acc) {
-  attend_lanes<Lanes8, Ints8>(qt, lanes, keys, values, begin, end, dim, limits, scale, scores, m, l, acc);
-}
+void attend_block_plain(const BlockWork& work) { attend_lanes<Lanes8, Ints8>(work); }
 
 __attribute__((target("avx2,fma"), optimize("fp-contract=fast")))
-void attend_block_avx2(const float* qt, int64_t lanes, const float* keys, const float* values, int64_t begin,
-                       int64_t end, int64_t dim, const int32_t* limits, float scale, float* scores, float* m,
-                       float* l, float* acc) {
-  attend_lanes<Lanes8, Ints8>(qt, lanes, keys, values, begin, end, dim, limits, scale, scores, m, l, acc);
-}
+void attend_block_avx2(const BlockWork& work) { attend_lanes<Lanes8, Ints8>(work); }
 
 __attribute__((target("avx512f,fma"), optimize("fp-contract=fast")))
-void attend_block_avx512(const float* qt, int64_t lanes, const float* keys, const float* values, int64_t begin,
-                         int64_t end, int64_t dim, const int32_t* limits, float scale, float* scores, float* m,
-                         float* l, float* acc) {
-  attend_lanes<Lanes16, Ints16>(qt, lanes, keys, values, begin, end, dim, limits, scale, scores, m, l, acc);
-}
+void attend_block_avx512(const BlockWork& work) { attend_lanes<Lanes16, Ints16>(work); }
 
 // 0 plain, 1 AVX2 with FMA, 2 AVX-512: the most this CPU has; attention_isa lowers it (tests compare them).
 int64_t detected_attention_isa() {
@@ -391,7 +388,8 @@ void attend(const at::Tensor& query, const std::vector<RowCache>& rows, int64_t 
           qt[d * lanes + L] = L < queries ? head_q[g * query.stride(1) + i * query.stride(2) + d] : 0.0f;
         }
       }
-      block(qt.data(), lanes, keys, values, unit.begin, unit.end, dim, limits.data(), scale, scores.data(), m, l, acc);
+      block({qt.data(), lanes, keys, values, unit.begin, unit.end, dim, limits.data(), scale, scores.data(), m, l,
+             acc});
     }
   });
   // Each (row, head)'s units in key order: exp(m - top) rescales each to the largest score of all.

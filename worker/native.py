@@ -19,8 +19,9 @@ import torch
 
 SOURCES = [Path(__file__).with_name(name) for name in ("native.cpp", "blocks.cpp")]  # and native_math.h
 NAME = "llmserve_native"
-# No fused multiply-add: ATen's rounding (native.cpp). OpenMP: at::parallel_for is inline, and without it runs
-# on one thread; the library it links is the one torch has loaded already (the same name), one pool of threads.
+# No fused multiply-add: ATen's rounding (native.cpp; its block attention opts in). OpenMP: at::parallel_for is
+# inline, and without it runs on one thread; the library it links is the one torch has loaded already (the same
+# name), one pool of threads.
 FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 MODES = ("auto", "on", "off")
 

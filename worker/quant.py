@@ -231,6 +231,7 @@ class Int8LlamaLayer(RowwiseLlamaLayer):
         return scripted.mlp_residual(x, attended, self.o_proj.packed, self.gate_up.packed, self.down_proj.packed,
                                      self.gains[1], self.norm_eps, rotation)
 
+
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
@@ -264,8 +265,8 @@ def takes_blocks_together(model: nn.Module) -> bool:
 
 
 def takes_rows_alone(model: nn.Module) -> bool:
-    """Whether every decoder layer is an `Int8LlamaLayer`, whose attention takes each row's own keys and
-    values: its cache may then hold rows side by side without padding (worker/cache.py)."""
+    """Whether every decoder layer is a `RowwiseLlamaLayer` (int8 or the GGUF blocks), whose attention takes each
+    row's own keys and values: its cache may then hold rows side by side without padding (worker/cache.py)."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     return bool(layers) and all(isinstance(layer, RowwiseLlamaLayer) for layer in layers)
 
