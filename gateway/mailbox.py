@@ -84,3 +84,53 @@ class Mailbox:
             self.put(choice, slow)
         if self.on_overflow is not None:
             self.on_overflow()
+
+
+Route = tuple[Mailbox, int]  # a mailbox, and the choice whose results a channel carries
+
+
+class Readers:
+    """The mailboxes reading each results channel on one pub/sub connection. A channel is subscribed once
+    however many of this gateway's clients read it (a stream resumed twice at once, a resume beside a
+    half-open first connection), and each of them gets every result: `add` says when to subscribe, `remove`
+    when the last reader has gone and the channel may be unsubscribed."""
+
+    def __init__(self) -> None:
+        self._routes: dict[bytes, list[Route]] = {}
+
+    def __len__(self) -> int:
+        """Channels read."""
+        return len(self._routes)
+
+    def add(self, channel: bytes, route: Route) -> bool:
+        """Whether `route` is the channel's first reader."""
+        routes = self._routes.setdefault(channel, [])
+        routes.append(route)
+        return len(routes) == 1
+
+    def remove(self, channel: bytes, route: Route) -> bool:
+        """Whether the channel has no reader left (once `route` was one of its readers)."""
+        routes = self._routes.get(channel)
+        if not routes or not any(r is route for r in routes):
+            return False
+        routes[:] = [r for r in routes if r is not route]
+        if routes:
+            return False
+        del self._routes[channel]
+        return True
+
+    def deliver(self, channel: bytes, payload: bytes) -> None:
+        for mailbox, choice in self._routes.get(channel, ()):
+            mailbox.deliver(choice, payload)
+
+    def drop(self, channel: bytes, error: Error) -> None:
+        """The channel ends for all its readers with `error`."""
+        for mailbox, choice in self._routes.pop(channel, ()):
+            mailbox.put(choice, error)
+
+    def fail(self, error: Error) -> None:
+        """Every channel ends for all its readers with `error`."""
+        routes, self._routes = self._routes, {}
+        for readers in routes.values():
+            for mailbox, choice in readers:
+                mailbox.put(choice, error)

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import ssl
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -29,7 +30,7 @@ from redis.exceptions import RedisError
 from common.clients import RedisTarget, async_sentinel, parse_redis_url
 from common.errors import ErrorCode
 from common.protocol import Error, Keys, Result
-from gateway.mailbox import Mailbox
+from gateway.mailbox import Mailbox, Readers
 
 log = logging.getLogger("gateway")
 
@@ -115,8 +116,9 @@ class ResultRouter:
         self.buffer_bytes = buffer_bytes
         self.writer: asyncio.StreamWriter | None = None  # set while connected
         self.connected = asyncio.Event()
-        self.routes: dict[bytes, tuple[Mailbox, int]] = {}
-        self.confirmations: dict[bytes, asyncio.Future[None]] = {}
+        self.readers = Readers()
+        # Per channel, a future per SUBSCRIBE sent and not yet confirmed, oldest first (Redis confirms in order).
+        self.confirmations: dict[bytes, deque[asyncio.Future[None]]] = {}
         self.pump: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -142,21 +144,23 @@ class ResultRouter:
             raise RedisConnectionError("no connection to Redis")
         channels = [self.keys.results(rid).encode() for rid in request_ids]
         mailbox = Mailbox(request_ids, self.limit, self.buffer_bytes, on_overflow, kind)
+        routes = [(mailbox, choice) for choice in range(len(channels))]
+        fresh = [channel for channel, route in zip(channels, routes, strict=True) if self.readers.add(channel, route)]
         loop = asyncio.get_running_loop()
-        for choice, channel in enumerate(channels):
-            self.routes[channel] = (mailbox, choice)
-            self.confirmations[channel] = loop.create_future()
-        waits = [self.confirmations[c] for c in channels]
+        for channel in fresh:
+            self.confirmations.setdefault(channel, deque()).append(loop.create_future())
+        # A channel another reader subscribed is ready once its latest SUBSCRIBE is confirmed. Shielded: the
+        # confirmation is shared, and a reader that leaves must not cancel it for the others.
+        waits = [asyncio.shield(pending[-1]) for c in channels if (pending := self.confirmations.get(c))]
         try:
-            self.writer.write(command("SUBSCRIBE", *channels))
+            if fresh:
+                self.writer.write(command("SUBSCRIBE", *fresh))
             await asyncio.gather(*waits)
             yield mailbox
         finally:
-            for channel in channels:
-                self.routes.pop(channel, None)
-                self.confirmations.pop(channel, None)
-            if self.writer is not None:
-                self.writer.write(command("UNSUBSCRIBE", *channels))
+            gone = [c for c, route in zip(channels, routes, strict=True) if self.readers.remove(c, route)]
+            if gone and self.writer is not None:
+                self.writer.write(command("UNSUBSCRIBE", *gone))
 
     async def _pump(self) -> None:
         """Route messages; when the connection breaks, fail every request in flight and reconnect."""
@@ -168,7 +172,7 @@ class ResultRouter:
                 await self._route(reader, writer)
             except (RedisError, OSError) as exc:
                 log.warning("pub/sub connection lost; failing requests in flight",
-                            extra={"error": str(exc), "in_flight": len(self.routes), "retry_in_s": backoff})
+                            extra={"error": str(exc), "in_flight": len(self.readers), "retry_in_s": backoff})
                 self._fail_all()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF)
@@ -196,12 +200,11 @@ class ResultRouter:
             writer.close()
 
     def _fail_all(self) -> None:
-        for mailbox, choice in self.routes.values():
-            mailbox.put(choice, LOST)
-        for confirmed in self.confirmations.values():
-            if not confirmed.done():
-                confirmed.set_exception(RedisConnectionError("the connection to Redis broke"))
-        self.routes.clear()
+        self.readers.fail(LOST)
+        for waiting in self.confirmations.values():
+            for confirmed in waiting:
+                if not confirmed.done():
+                    confirmed.set_exception(RedisConnectionError("the connection to Redis broke"))
         self.confirmations.clear()
 
     def _handle(self, reply: object) -> None:
@@ -212,14 +215,10 @@ class ResultRouter:
             return
         kind, channel, payload = reply
         if kind == b"message":
-            self._deliver(channel, payload)
-        elif kind == b"subscribe":
-            confirmed = self.confirmations.pop(channel, None)
-            if confirmed and not confirmed.done():
+            self.readers.deliver(channel, payload)
+        elif kind == b"subscribe" and (waiting := self.confirmations.get(channel)):
+            confirmed = waiting.popleft()
+            if not waiting:
+                del self.confirmations[channel]
+            if not confirmed.done():
                 confirmed.set_result(None)
-
-    def _deliver(self, channel: bytes, data: bytes) -> None:
-        route = self.routes.get(channel)
-        if route is not None:
-            mailbox, choice = route
-            mailbox.deliver(choice, data)

@@ -35,7 +35,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from common.clients import RedisTarget
 from common.protocol import Error, Keys, Result
 from common.runtime import REDIS_ERRORS, stop_task
-from gateway.mailbox import Mailbox
+from gateway.mailbox import Mailbox, Readers, Route
 from gateway.results import FIRST_CONNECT_SECONDS, MOVED, NODE_LOST, READ_BYTES, command, open_node
 
 log = logging.getLogger("gateway")
@@ -43,7 +43,6 @@ log = logging.getLogger("gateway")
 
 PROBE_SECONDS = 0.5
 
-Route = tuple[Mailbox, int]
 Address = tuple[str, int]
 
 
@@ -81,33 +80,42 @@ class NodeLink:
         self.address = address
         self.reader, self.writer = reader, writer
         self.on_lost = on_lost
-        self.routes: dict[bytes, Route] = {}
+        self.readers = Readers()
+        # The SSUBSCRIBE of each channel not yet confirmed, which later readers of the channel wait for too.
+        self.confirming: dict[bytes, asyncio.Future[None]] = {}
         self.pending: deque[Pending] = deque()
         self.alive = True
         self.task = asyncio.create_task(self._pump())
 
     async def subscribe(self, channel: bytes, route: Route) -> None:
-        """Returns once the node has confirmed the subscription; raises Redirected or a connection error."""
+        """Returns once the node has confirmed the channel's subscription (made by this reader or an earlier
+        one); raises Redirected or a connection error."""
         if not self.alive:
             raise RedisConnectionError("the connection to the cluster node is closed")
-        confirmed = asyncio.get_running_loop().create_future()
-        self.pending.append(Pending(b"ssubscribe", channel, confirmed))
-        self.routes[channel] = route
-        self.writer.write(command("SSUBSCRIBE", channel))
+        if self.readers.add(channel, route):
+            confirmed = self.confirming[channel] = asyncio.get_running_loop().create_future()
+            confirmed.add_done_callback(lambda _: self._confirmed(channel, confirmed))
+            self.pending.append(Pending(b"ssubscribe", channel, confirmed))
+            self.writer.write(command("SSUBSCRIBE", channel))
+        confirmed = self.confirming.get(channel)
+        if confirmed is None:
+            return
         try:
-            await confirmed
+            # Shielded: the confirmation is shared, and a reader that leaves must not cancel it for the others.
+            await asyncio.shield(confirmed)
         except (Redirected, RedisConnectionError):
-            if self.routes.get(channel) is route:
-                del self.routes[channel]
+            self.readers.remove(channel, route)  # no subscription was made
             raise
-        except BaseException:  # cancelled: the subscription may still be made, so undo it
-            if self.routes.get(channel) is route:
-                self.unsubscribe(channel)
+        except BaseException:  # cancelled: the subscription may still be made, so undo it if nobody else reads
+            self.unsubscribe(channel, route)
             raise
 
-    def unsubscribe(self, channel: bytes) -> None:
-        self.routes.pop(channel, None)
-        if self.alive:
+    def _confirmed(self, channel: bytes, confirmed: asyncio.Future[None]) -> None:
+        if self.confirming.get(channel) is confirmed:
+            del self.confirming[channel]
+
+    def unsubscribe(self, channel: bytes, route: Route) -> None:
+        if self.readers.remove(channel, route) and self.alive:
             self.pending.append(Pending(b"sunsubscribe", channel))
             self.writer.write(command("SUNSUBSCRIBE", channel))
 
@@ -128,7 +136,7 @@ class NodeLink:
             self._close()
             raise
         log.warning("pub/sub connection to a cluster node lost",
-                    extra={"node": self.name, "error": error, "in_flight": len(self.routes)})
+                    extra={"node": self.name, "error": error, "in_flight": len(self.readers)})
         self._close()
         self.on_lost(self)
 
@@ -143,9 +151,7 @@ class NodeLink:
 
     def fail(self, error: Error) -> None:
         """End every request routed here with `error`, and every subscription still waiting."""
-        routes, self.routes = self.routes, {}
-        for mailbox, choice in routes.values():
-            mailbox.put(choice, error)
+        self.readers.fail(error)
         if not self.alive:
             while self.pending:
                 waiting = self.pending.popleft().reply
@@ -163,9 +169,7 @@ class NodeLink:
             return
         kind, channel, payload = reply
         if kind == b"smessage":
-            route = self.routes.get(channel)
-            if route is not None:
-                route[0].deliver(route[1], payload)
+            self.readers.deliver(channel, payload)
             return
         head = self.pending[0] if self.pending else None
         if head is not None and head.kind == kind and head.channel == channel:
@@ -174,9 +178,7 @@ class NodeLink:
                 head.reply.set_result(None)
         elif kind == b"sunsubscribe":
             # Not asked for: the channel's slot moved to another node (resharding, a failover).
-            route = self.routes.pop(channel, None)
-            if route is not None:
-                route[0].put(route[1], MOVED)
+            self.readers.drop(channel, MOVED)
 
 
 class ShardedRouter:
@@ -225,9 +227,11 @@ class ShardedRouter:
         self.check()
         mailbox = Mailbox(request_ids, self.limit, self.buffer_bytes, on_overflow, kind)
         channels = [self.keys.results(rid).encode() for rid in request_ids]
-        outcomes = await asyncio.gather(*(self._subscribe(channel, (mailbox, choice))
-                                          for choice, channel in enumerate(channels)), return_exceptions=True)
-        subscribed = [(link, channel) for link, channel in zip(outcomes, channels, strict=True)
+        routes = [(mailbox, choice) for choice in range(len(channels))]
+        outcomes = await asyncio.gather(*(self._subscribe(channel, route)
+                                          for channel, route in zip(channels, routes, strict=True)),
+                                        return_exceptions=True)
+        subscribed = [(link, channel, route) for link, channel, route in zip(outcomes, channels, routes, strict=True)
                       if isinstance(link, NodeLink)]
         try:
             for outcome in outcomes:
@@ -235,8 +239,8 @@ class ShardedRouter:
                     raise outcome
             yield mailbox
         finally:
-            for link, channel in subscribed:
-                link.unsubscribe(channel)
+            for link, channel, route in subscribed:
+                link.unsubscribe(channel, route)
 
     async def _subscribe(self, channel: bytes, route: Route) -> NodeLink:
         address = await self._address(channel)
@@ -297,10 +301,10 @@ class ShardedRouter:
     def _lost(self, link: NodeLink) -> None:
         if self.links.get(link.address) is link:
             del self.links[link.address]
-        others = [other for other in self.links.values() if other.routes]
+        others = [other for other in self.links.values() if other.readers]
         if others:
             log.warning("cluster node lost; failing the requests in flight on the other nodes too",
-                        extra={"node": link.name, "in_flight": sum(len(other.routes) for other in others)})
+                        extra={"node": link.name, "in_flight": sum(len(other.readers) for other in others)})
         for other in others:
             other.fail(NODE_LOST)
         self._mark_down(link.address)

@@ -160,6 +160,11 @@ class ResultStream:
                 raise ApiError.of(ErrorCode.STREAM_TRUNCATED, f"choice {choice} of the stream no longer keeps the "
                                   f"results after position {self.next[choice] - 1} (RESUME_LOG_BYTES bounds what a "
                                   "stream keeps)", "Last-Event-ID")
+            # A result is logged in the same step it is published, so no client can stand past the log's reach.
+            if self.next[choice] - 1 > self._reach(results):
+                raise ApiError.of(ErrorCode.INVALID_VALUE, f"Last-Event-ID must be the id of an event of this "
+                                  f"stream: choice {choice} has not reached position {self.next[choice] - 1}",
+                                  "Last-Event-ID")
             for result in results:
                 if self._accept(choice, result):
                     self.backlog.append((choice, result, self.event_id()))
@@ -187,6 +192,15 @@ class ResultStream:
             if isinstance(result, Done):
                 return result.completion_tokens
         return 0
+
+    @staticmethod
+    def _reach(results: list[Result]) -> int:
+        """The furthest position a log shows: its last token's, or its end's (one past its last token)."""
+        last = max((r.index for r in results if isinstance(r, Token)), default=-1)
+        end = next((r for r in results if not isinstance(r, Token)), None)
+        if end is None:
+            return last
+        return max(last + 1, end.completion_tokens if isinstance(end, Done) else 0)
 
     async def hold(self) -> None:
         """A resumed client reads the stream here: extend its lease now (if it has not lapsed) and from now on."""
