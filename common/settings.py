@@ -51,7 +51,12 @@ class Settings:
     resume_log_bytes: int = 256 << 10
     scheduler_metrics_port: int = 9101
     worker_metrics_port: int = 9102
-    engine: str = "hf"
+    engine: str = "auto"
+    vllm_max_model_len: int = 0
+    vllm_gpu_memory_utilization: float = 0.9
+    vllm_tensor_parallel_size: int = 1
+    vllm_enforce_eager: str = "auto"
+    vllm_kv_cache_gb: float = 0.0
     sim_step_ms: float = 20.0
     sim_step_per_seq_ms: float = 0.5
     log_level: str = "INFO"
@@ -86,6 +91,14 @@ class Settings:
             raise SettingsError(f"WORKER_QUANT={self.worker_quant!r}: expected auto, gguf, int8 or none")
         if self.worker_native not in ("auto", "on", "off"):
             raise SettingsError(f"WORKER_NATIVE={self.worker_native!r}: expected auto, on or off")
+        if self.engine not in ("auto", "hf", "vllm", "sim"):
+            raise SettingsError(f"ENGINE={self.engine!r}: expected auto, hf, vllm or sim")
+        if self.vllm_enforce_eager not in ("auto", "on", "off"):
+            raise SettingsError(f"VLLM_ENFORCE_EAGER={self.vllm_enforce_eager!r}: expected auto, on or off")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise SettingsError(f"VLLM_GPU_MEMORY_UTILIZATION={self.vllm_gpu_memory_utilization}: expected (0, 1]")
+        if self.vllm_tensor_parallel_size < 1:
+            raise SettingsError(f"VLLM_TENSOR_PARALLEL_SIZE={self.vllm_tensor_parallel_size}: must be at least 1")
         if self.scheduling_policy not in ("fair", "fifo"):
             raise SettingsError(f"SCHEDULING_POLICY={self.scheduling_policy!r}: expected fair or fifo")
         for name in ("worker_slots", "max_message_bytes", "heartbeat_interval", "worker_ttl", "poison_limit",

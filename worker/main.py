@@ -42,9 +42,8 @@ from common.settings import Settings
 from common.telemetry import serve_metrics, setup_logging
 from common.trace import stamp
 from common.tracing import Tracing
-from worker import metrics, vllm_metrics
+from worker import engines, metrics, vllm_metrics
 from worker.core import Engine, GrammarError, Model, PromptTooLong, StepOutput, StepResult
-from worker.sim import SimEngine, SimModel
 
 log = logging.getLogger("worker")
 
@@ -105,7 +104,7 @@ class Worker:
 
     def run(self) -> None:
         log.info("worker ready", extra={"worker_id": self.id, "model": self.loaded.name,
-                                        "weights": self.loaded.weights, "slots": self.settings.worker_slots})
+                                        "weights": self.loaded.weights, "slots": self.engine.slots})
         heartbeats = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
         heartbeats.start()
         backoff = Backoff()
@@ -184,7 +183,7 @@ class Worker:
             self.beat_now.clear()
 
     def _heartbeat(self) -> None:
-        beat = Heartbeat(self.id, self.loaded.name, self.loaded.max_length, self.settings.worker_slots,
+        beat = Heartbeat(self.id, self.loaded.name, self.loaded.max_length, self.engine.slots,
                          self.engine.running_count, self.engine.waiting_count, self.finished_total, now(),
                          draining=self.drain_until is not None, metrics_port=self.metrics_port,
                          vocab=self.loaded.vocab, prefixes=self._held_prefixes())
@@ -236,7 +235,7 @@ class Worker:
         metrics.RUNNING.set(self.engine.running_count)
         metrics.WAITING.set(self.engine.waiting_count)
         metrics.KV_CACHE_TOKENS.set(self.engine.cache_positions)
-        vllm_metrics.observe_step(self.loaded.name, self.engine, self.settings.worker_slots, self.loaded.max_length)
+        vllm_metrics.observe_step(self.loaded.name, self.engine, self.engine.slots, self.loaded.max_length)
         self._publish(result, elapsed)
 
     def _admit(self, batch: Batch) -> None:
@@ -368,21 +367,7 @@ class Worker:
 
 
 def build_engine(settings: Settings) -> tuple[Model, Engine]:
-    if settings.worker_batching not in ("continuous", "static"):
-        raise ValueError(f"WORKER_BATCHING={settings.worker_batching!r}: expected continuous or static")
-    static = settings.worker_batching == "static"
-    if settings.engine == "sim":
-        model = SimModel()
-        return model, SimEngine(model, settings.worker_slots, settings.sim_step_ms / 1000,
-                                settings.sim_step_per_seq_ms / 1000, static)
-    # Imported here: an ENGINE=sim worker never loads torch.
-    from worker.engine import Engine as ModelEngine
-    from worker.model import load_model
-
-    loaded = load_model(settings)
-    _ = loaded.grammars  # its vocabulary index builds while the worker starts
-    return loaded, ModelEngine(loaded, settings.worker_slots, static, settings.prefill_block, settings.prefill_chunk,
-                               settings.prefix_cache_bytes)
+    return engines.build(settings)
 
 
 def main() -> None:

@@ -25,20 +25,13 @@ BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 log = logging.getLogger("worker")
 
 
-@dataclass
-class LoadedModel:
-    name: str
-    model: PreTrainedModel
+class Prompts:
+    """Requests as token ids, by a Hugging Face tokenizer and its chat template: what every engine's model
+    (worker/core.py's Model) does alike. Needs `tokenizer`, `max_length`, `eos_token_ids` and `vocab`."""
+
     tokenizer: PreTrainedTokenizerBase
-    device: torch.device
     max_length: int
     eos_token_ids: list[int]
-    weights: str = "none"  # what the linear layers run on: gguf (the file's blocks), int8 or none (float)
-
-    @property
-    def vocab(self) -> int:
-        """Width of the logits: the most a request's top_k can mean."""
-        return int(self.model.config.vocab_size)
 
     @functools.cached_property
     def grammars(self) -> Grammars:
@@ -83,6 +76,22 @@ class LoadedModel:
             ids = self.chat_ids(toolcalls.plain_messages(job.messages, job.tools), None, job.add_generation_prompt)
         strings = self.tokenizer.convert_ids_to_tokens(ids) if job.with_strings else None
         return Tokens(list(ids), strings, context=self.max_length)
+
+
+@dataclass
+class LoadedModel(Prompts):
+    name: str
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    device: torch.device
+    max_length: int
+    eos_token_ids: list[int]
+    weights: str = "none"  # what the linear layers run on: gguf (the file's blocks), int8 or none (float)
+
+    @property
+    def vocab(self) -> int:
+        """Width of the logits: the most a request's top_k can mean."""
+        return int(self.model.config.vocab_size)
 
 
 def bundled_dir() -> str:
@@ -166,6 +175,11 @@ def _return_freed_memory() -> None:
         libc.malloc_trim(0)
 
 
+def end_tokens(eos: int | list[int] | None, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The ids that end a sequence: the generation config's, else the tokenizer's."""
+    return [eos] if isinstance(eos, int) else list(eos or [tokenizer.eos_token_id])
+
+
 def load_model(settings: Settings) -> LoadedModel:
     if settings.worker_threads > 0:
         torch.set_num_threads(settings.worker_threads)
@@ -181,7 +195,6 @@ def load_model(settings: Settings) -> LoadedModel:
         int8.quantize_int8(model, native=kernels)
     if quant != "none":
         _return_freed_memory()
-    eos = model.generation_config.eos_token_id
-    eos_ids = [eos] if isinstance(eos, int) else list(eos or [tokenizer.eos_token_id])
+    eos_ids = end_tokens(model.generation_config.eos_token_id, tokenizer)
     max_length = getattr(model.config, "max_position_embeddings", None) or tokenizer.model_max_length
     return LoadedModel(settings.model, model, tokenizer, device, int(max_length), eos_ids, quant)
