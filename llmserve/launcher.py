@@ -148,12 +148,14 @@ class Stack:
     processes: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
     # Settings of one process on top of `env` (a second gateway's port), by its place in `processes`.
     overrides: dict[int, dict[str, str]] = field(default_factory=dict)
+    # A service's command in place of the launcher's (a worker from another venv: ENGINE=vllm's tests).
+    commands: dict[str, list[str]] = field(default_factory=dict)
 
     def launch(self, name: str, overrides: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         """A new process of service `name`; "redis" is the embedded redis-server of REDIS_URL."""
         if name == "redis":
             return spawn_redis(self.env["REDIS_URL"], self.env.get("REDIS_MAXMEMORY", Settings.redis_maxmemory))
-        return popen(command_path(name), env={**self.env, **(overrides or {})})
+        return popen(self.commands.get(name) or command_path(name), env={**self.env, **(overrides or {})})
 
     def spawn(self, name: str, **overrides: str) -> subprocess.Popen[bytes]:
         process = self.launch(name, overrides)
@@ -306,11 +308,12 @@ def port_free(port: int) -> bool:
 
 
 @contextmanager
-def private_stack(workers: int, gateways: int = 1, redis: str = "single", **settings: str) -> Iterator[PrivateStack]:
+def private_stack(workers: int, gateways: int = 1, redis: str = "single", commands: dict[str, list[str]] | None = None,
+                  **settings: str) -> Iterator[PrivateStack]:
     """Its own redis-server on a free port (`redis="cluster"`: a cluster of three masters;
     `"cluster-with-replicas"`: each with a replica; `"sentinel"`: a primary, a replica and a Sentinel) and
-    every service (`gateways` of them on consecutive ports), with `settings` on top of the environment;
-    yields once all workers serve."""
+    every service (`gateways` of them on consecutive ports), with `settings` on top of the environment and
+    `commands` in place of a service's own; yields once all workers serve."""
     topology = None
     if redis == "single":
         redis_url = f"redis://127.0.0.1:{free_port()}/0"
@@ -322,7 +325,7 @@ def private_stack(workers: int, gateways: int = 1, redis: str = "single", **sett
         redis_url, process = topology.url, None
     port = free_ports(gateways)
     stack = Stack({**os.environ, "REDIS_URL": redis_url, "GATEWAY_HOST": "127.0.0.1", "GATEWAY_PORT": str(port),
-                   **settings})
+                   **settings}, commands=commands or {})
     urls = [f"http://127.0.0.1:{p}" for p in gateway_ports(stack.env, gateways)]
     running = PrivateStack(urls[0], stack, redis_url, process, urls, topology)
     try:

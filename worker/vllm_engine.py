@@ -28,7 +28,7 @@ from typing import Any
 
 from common.prefix import TextPrefix
 from common.protocol import SamplingParams, TokenLogprob
-from common.settings import Settings
+from common.settings import Settings, env_names
 from worker.core import GrammarError, PromptTooLong, StepKind, StepOutput, StepResult
 from worker.detokenizer import Detokenizer
 from worker.stops import StopMatcher
@@ -357,6 +357,10 @@ def build(settings: Settings) -> tuple[VllmModel, VllmEngine]:
     import torch
 
     cuda = torch.cuda.is_available()
+    # Our VLLM_* settings are read by now; vLLM warns of every VLLM_ variable it does not know.
+    for name in env_names():
+        if name.startswith("VLLM_"):
+            os.environ.pop(name, None)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read when the engine is made
     if not cuda:
         for name, value in cpu_environment(settings).items():
