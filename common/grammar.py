@@ -9,10 +9,22 @@ from __future__ import annotations
 
 import json
 
-from llguidance import LLMatcher
+from llguidance import LLMatcher, LLParserLimits, LLTokenizer, TokenizerWrapper
 from llguidance.gbnf_to_lark import any_to_lark
 
 JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+
+# Bounds on what a client may ask to be enforced, checked in Python before any native code reads it: the
+# source of a schema (as JSON), regex or grammar (all tools' parameters together), and its nesting of
+# brackets and parentheses.
+MAX_SOURCE_BYTES = 128 << 10
+MAX_NESTING = 64
+# The Earley items one step of a parse may hold: on a probe at admission (llguidance's default), and where
+# the grammar is enforced, twice that, so that another path of the same grammar, which may need more (the
+# parse grows with what was generated), still fits.
+PROBED_ROW_ITEMS = 2000
+ENFORCED_ROW_ITEMS = 2 * PROBED_ROW_ITEMS
+PROBE_STEPS = 64
 
 
 class GrammarError(ValueError):
@@ -93,3 +105,56 @@ def checked(grammar: str) -> str:
     if reason:
         raise GrammarError(reason.strip())
     return grammar
+
+
+def bounded(source: str, what: str) -> None:
+    """GrammarError unless `source` (the text of a schema, regex or grammar) is within MAX_SOURCE_BYTES and
+    MAX_NESTING. Iterative, and blind to what the brackets mean: quoted brackets count too."""
+    size = len(source.encode())
+    if size > MAX_SOURCE_BYTES:
+        raise GrammarError(f"the {what} is {size} bytes; at most {MAX_SOURCE_BYTES} are accepted")
+    depth = deepest = 0
+    for char in source:
+        if char in "([{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in ")]}":
+            depth = max(depth - 1, 0)
+    if deepest > MAX_NESTING:
+        raise GrammarError(f"the {what} nests {deepest} levels of brackets; at most {MAX_NESTING} are accepted")
+
+
+class _Bytes:
+    """A tokenizer of single bytes (and an end token), enough to walk a grammar's parse."""
+
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = (*(bytes([i]) for i in range(256)), b"</s>")
+    special_token_ids = (256,)
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)
+
+
+_BYTES: LLTokenizer | None = None
+
+
+def probe(grammar: str) -> None:
+    """GrammarError if `grammar` fails within its first PROBE_STEPS bytes, each the lowest byte it allows,
+    with at most PROBED_ROW_ITEMS Earley items a step: a grammar whose parse is too wide from its start
+    (thousands of rules predicted at once) is refused here rather than failing once generation is under way."""
+    global _BYTES
+    if _BYTES is None:
+        _BYTES = LLTokenizer(TokenizerWrapper(_Bytes()))
+    matcher = LLMatcher(_BYTES, grammar, log_level=0, limits=LLParserLimits(max_items_in_row=PROBED_ROW_ITEMS))
+    for _ in range(PROBE_STEPS):
+        if matcher.is_error() or matcher.is_stopped():
+            break
+        mask = matcher.compute_bitmask()
+        allowed = next((t for t in range(256) if mask[t // 8] >> (t % 8) & 1), None)
+        if allowed is None or matcher.is_error():
+            break
+        matcher.consume_token(allowed)
+    if matcher.is_error():
+        reason = matcher.get_error().splitlines()[0].removeprefix("Parser Error: ")
+        raise GrammarError(f"{reason} (at most {PROBED_ROW_ITEMS} items are accepted at admission)")

@@ -14,6 +14,7 @@ from common.tracing import Tracing
 from gateway import errors, observe, openai_api, page, resume, routes, tokenize
 from gateway.bus import Bus
 from gateway.connection import HeadLimits, limited_protocol
+from gateway.grammar_check import GrammarChecker
 from gateway.metrics import CountRequests
 from gateway.middleware import Guard, Traced
 
@@ -22,8 +23,11 @@ def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.bus = Bus(settings)
+        app.state.grammars = GrammarChecker()
         await app.state.bus.start()
+        await app.state.grammars.start()
         yield
+        await app.state.grammars.stop()
         await app.state.bus.stop()
 
     app = FastAPI(title="llmserve", lifespan=lifespan,

@@ -47,7 +47,7 @@ async def _prepare(request: Request, body: OpenAIFields, prompts: list[str | Non
     # The rest of this request's task, its stream included, counts its metrics under its model.
     metrics.MODEL_NAME.set(body.model)
     messages = chat.chat_messages() if chat else None
-    constraint = await constraint_of(body)
+    constraint = await constraint_of(request, body)
     return await submits_for(request, body, prompts, body.n, messages, logprobs, constraint.grammar,
                              constraint.tools)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from types import SimpleNamespace
 
 import pytest
 from llguidance import LLMatcher
@@ -18,6 +19,7 @@ from common.protocol import ChatMessage, Tool, ToolCall
 from common.settings import Settings
 from gateway.constraints import constraint_of
 from gateway.errors import ApiError
+from gateway.grammar_check import GrammarChecker
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from worker.model import _source
 
@@ -101,9 +103,23 @@ def chat(**fields: object) -> ChatCompletionRequest:
     return ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], **fields)
 
 
+def constrain(body):
+    """The body's constraint, built as the gateway builds it: in a sandboxed child."""
+
+    async def run():
+        checker = GrammarChecker()
+        try:
+            return await constraint_of(SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(grammars=checker))),
+                                       body)
+        finally:
+            await checker.stop()
+
+    return asyncio.run(run())
+
+
 def refusal(body) -> ApiError:
     with pytest.raises(ApiError) as caught:
-        asyncio.run(constraint_of(body))
+        constrain(body)
     assert caught.value.status == 400 and caught.value.code == "invalid_value"
     return caught.value
 
@@ -119,13 +135,12 @@ def test_each_way_of_asking_builds_a_checked_grammar() -> None:
             {"guided_json": schema}, {"guided_regex": "[0-9]{3}"}, {"guided_choice": ["a"]},
             {"guided_grammar": 'start: "x"'}]
     for ask in asks:
-        built = asyncio.run(constraint_of(CompletionRequest(model="m", prompt="p", **ask)))
+        built = constrain(CompletionRequest(model="m", prompt="p", **ask))
         assert built.grammar and grammar.problem(built.grammar) is None, ask
-    assert asyncio.run(constraint_of(chat(response_format={"type": "text"}))).grammar == ""
-    told = asyncio.run(constraint_of(chat(tools=[{"type": "function", "function": {"name": "f"}}])))
+    assert constrain(chat(response_format={"type": "text"})).grammar == ""
+    told = constrain(chat(tools=[{"type": "function", "function": {"name": "f"}}]))
     assert told.grammar and [t.name for t in told.tools] == ["f"]
-    unused = asyncio.run(constraint_of(chat(tools=[{"type": "function", "function": {"name": "f"}}],
-                                            tool_choice="none")))
+    unused = constrain(chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="none"))
     assert unused.grammar == "" and unused.tools is None
 
 

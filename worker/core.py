@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 # What Engine.add raises, besides PromptTooLong, for a grammar it cannot enforce.
+from common.errors import ErrorCode
 from common.grammar import GrammarError as GrammarError
 from common.protocol import Detokenize, SamplingParams, Submit, Tokenize, TokenLogprob, Tokens
 
@@ -23,7 +24,8 @@ class PromptTooLong(ValueError):
 class StepOutput:
     """Token `index` of request `request_id`: its id, the text it adds (less any held back for a possible
     stop string), and why the request ends, if it does. `error` is set instead when this row alone failed;
-    it has then left the engine."""
+    it has then left the engine. `error_code` says whose fault it was: the engine's, or the request's (a
+    grammar that cannot be kept to is invalid_value)."""
 
     request_id: str
     token_id: int
@@ -34,6 +36,7 @@ class StepOutput:
     logprob: TokenLogprob | None = None
     top_logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    error_code: ErrorCode = ErrorCode.ENGINE_ERROR
 
 
 @dataclass

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from common.errors import ErrorCode
 from common.protocol import SamplingParams, TokenLogprob
 from common.settings import Settings
 from worker import metrics
@@ -48,7 +49,7 @@ from worker.cache import (
     stacked_cache,
     trim_left,
 )
-from worker.core import PromptTooLong, StepKind, StepOutput, StepResult
+from worker.core import GrammarError, PromptTooLong, StepKind, StepOutput, StepResult
 from worker.detokenizer import Detokenizer
 from worker.forward import Part, forward_parts
 from worker.grammar import LLMatcher
@@ -559,8 +560,9 @@ class Engine:
                 raise ValueError("no token could be sampled with these parameters")
             return self._emit(sequence, *pick)
         except Exception as exc:
+            code = ErrorCode.INVALID_VALUE if isinstance(exc, GrammarError) else ErrorCode.ENGINE_ERROR
             return StepOutput(sequence.request_id, -1, len(sequence.output_ids), "", None, len(sequence.prompt_ids),
-                              error=str(exc))
+                              error=str(exc), error_code=code)
 
     def _emit(self, sequence: Sequence, token: int, logprobs: Logprobs | None) -> StepOutput:
         """Append `token` to `sequence` and say what it adds: its text, less any held back for a possible
@@ -568,7 +570,7 @@ class Engine:
         sequence.output_ids.append(token)
         if sequence.matcher is not None and token not in self.loaded.eos_token_ids \
                 and not sequence.matcher.consume_token(token):
-            raise ValueError(f"the grammar refused the token: {sequence.matcher.get_error()}")
+            raise GrammarError(f"the grammar cannot be kept to: {sequence.matcher.get_error()}")
         reason = self._finish_reason(sequence, token)
         # An end-of-sequence token that ends the text adds none; a grammar's last token does.
         ended_by_eos = reason == "stop" and token in self.loaded.eos_token_ids

@@ -7,11 +7,11 @@ from __future__ import annotations
 import threading
 
 import torch
-from llguidance import LLMatcher, LLTokenizer
+from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 from llguidance.hf import from_tokenizer
 from transformers import PreTrainedTokenizerBase
 
-from common.grammar import GrammarError
+from common.grammar import ENFORCED_ROW_ITEMS, GrammarError
 
 # A mask byte's eight tokens as logit biases, little end first: 0 for a token allowed, -inf for one not.
 # A lookup per byte and one addition cost a quarter of unpacking the bits and filling the logits with them.
@@ -47,7 +47,8 @@ class Grammars:
 
     def matcher(self, grammar: str, replay: list[int]) -> LLMatcher:
         """A matcher for `grammar` that has seen `replay` (the tokens a migrated request delivered)."""
-        matcher = LLMatcher(self.index(), grammar, log_level=0)
+        matcher = LLMatcher(self.index(), grammar, log_level=0,
+                            limits=LLParserLimits(max_items_in_row=ENFORCED_ROW_ITEMS))
         if replay and not matcher.consume_tokens(replay):
             raise GrammarError(f"the delivered tokens do not keep to the grammar: {matcher.get_error()}")
         if matcher.is_error():

@@ -310,7 +310,7 @@ class Worker:
     def _publish(self, result: StepResult, step_s: float) -> None:
         """One round trip to Redis per engine step, whatever the batch size."""
         for failed in [out for out in result.outputs if out.error]:
-            self._fail(failed.request_id, ErrorCode.ENGINE_ERROR, failed.error)
+            self._fail(failed.request_id, failed.error_code, failed.error)
         outputs: list[StepOutput] = [out for out in result.outputs if not out.error]
         if not outputs:
             return
