@@ -145,8 +145,8 @@ def _run_small_stack(job: Callable[..., object], args: list[object], stack_bytes
     def run() -> None:
         try:
             answer[:] = ["ok", job(*args)]
-        except Exception as exc:  # RecursionError and MemoryError too: the input's doing, refused like the rest
-            answer[:] = ["refused", str(exc) or type(exc).__name__]
+        except BaseException as exc:  # RecursionError, MemoryError, SystemExit: the input's doing, refused too
+            answer[:] = ["refused", f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__]
 
     threading.stack_size(stack_bytes)
     thread = threading.Thread(target=run, name="sandboxed-job")
