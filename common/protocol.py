@@ -183,6 +183,8 @@ class Heartbeat(msgspec.Struct, tag="heartbeat"):
     # admitted first and at most a few hundred: the scheduler sends requests sharing them its way. They live
     # as long as the heartbeat key (WORKER_TTL).
     prefixes: list[int] = msgspec.field(default_factory=list)
+    # The engine it hosts (hf, vllm, sim): the gateway refuses what that engine cannot do (gateway/engine_limits.py).
+    engine: str = ""
 
 
 class StreamMeta(msgspec.Struct, tag="stream"):

@@ -12,6 +12,7 @@ from common.errors import ErrorCode
 from common.protocol import ChatMessage, Heartbeat, StreamMeta, Submit, Tool
 from common.tracing import Tracing
 from gateway.bus import Bus
+from gateway.engine_limits import refuse_unsupported
 from gateway.errors import ApiError
 from gateway.schemas import SamplingFields
 
@@ -57,7 +58,8 @@ def stream_meta(request: Request, submits: list[Submit], api: str, model: str = 
 
 def check_engine_bounds(workers: list[Heartbeat], body: SamplingFields) -> None:
     """The bounds only the live workers know: their context and their vocabulary (a worker that does
-    not tell its vocabulary clamps top_k itself)."""
+    not tell its vocabulary clamps top_k itself), and what their engines cannot do."""
+    refuse_unsupported({w.engine for w in workers}, body)
     contexts = [w.context for w in workers]
     if body.max_tokens is not None and contexts and body.max_tokens >= min(contexts):
         raise ApiError.of(ErrorCode.INVALID_VALUE, f"max_tokens is {body.max_tokens}; the model's context is "

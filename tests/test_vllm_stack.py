@@ -21,7 +21,7 @@ import pytest
 import redis
 
 from common.clients import sync_client
-from common.protocol import Keys
+from common.protocol import Heartbeat, Keys, decode
 from llmserve.launcher import PrivateStack, free_port, private_stack
 from llmserve.launcher import wait_until as wait_for
 
@@ -159,6 +159,18 @@ def test_tokenize_answers_from_a_vllm_worker(vllm_stack: PrivateStack) -> None:
     assert text["prompt"] == "Hello world"
 
 
+def test_what_vllm_cannot_do_is_a_400_naming_the_field(vllm_stack: PrivateStack) -> None:
+    r = client_of(vllm_stack)
+    beats = [decode(r.get(KEYS.heartbeat(w.decode())), Heartbeat, 1 << 20) for w in r.smembers(KEYS.workers)]
+    assert [beat.engine for beat in beats] == ["vllm", "vllm"]
+    hot = httpx.post(f"{vllm_stack.url}/generate", json={"prompt": "Hi", "temperature": 3.0}, timeout=60)
+    assert hot.status_code == 400, hot.text
+    assert hot.json()["error"]["param"] == "temperature" and hot.json()["error"]["code"] == "invalid_value"
+    fine = httpx.post(f"{vllm_stack.url}/generate", json={"prompt": "Hi", "temperature": 2.0, "max_tokens": 3,
+                                                          "seed": 1}, timeout=120)
+    assert fine.status_code == 200 and fine.json()["completion_tokens"] == 3
+
+
 def test_a_broken_stream_resumes_from_its_last_event(vllm_stack: PrivateStack, reference: str) -> None:
     with httpx.Client(base_url=vllm_stack.url, timeout=300) as client:
         with client.stream("POST", "/generate_stream", json=LONG) as response:
@@ -210,14 +222,17 @@ def test_sigterm_drains_a_worker_and_every_stream_ends_whole(vllm_stack: Private
         process = next(p for name, p in vllm_stack.stack.processes if name == "worker" and p.pid == pid_of(victim))
         sent = time.monotonic()
         process.send_signal(signal.SIGTERM)
+        wait_for(lambda: not r.sismember(KEYS.workers, victim), 60, "the drained worker leaving", 0.02)
+        left_s = time.monotonic() - sent
         code = process.wait(60)
         exit_s = time.monotonic() - sent
         results = [s.result() for s in running]
     whole = sum(indexes == list(range(TOKENS)) and text == reference for indexes, text, _ in results)
     lost = sum(len(set(range(TOKENS)) - set(indexes)) for indexes, _, _ in results)
     repeated = sum(len(indexes) - len(set(indexes)) for indexes, _, _ in results)
-    print(f"ENGINE=vllm SIGTERM with {streams} streams ({h[victim]} on the drained worker): exited {exit_s:.2f} s "
-          f"later, {whole}/{streams} whole, {lost} tokens lost, {repeated} repeated")
+    print(f"ENGINE=vllm SIGTERM with {streams} streams ({h[victim]} on the drained worker): it handed them off and "
+          f"left {left_s:.2f} s later (its process exited after {exit_s:.2f} s, vLLM's teardown), "
+          f"{whole}/{streams} whole, {lost} tokens lost, {repeated} repeated")
     assert code == 0
     assert (whole, lost, repeated) == (streams, 0, 0)
     restore_workers(vllm_stack)

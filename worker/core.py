@@ -54,6 +54,7 @@ class PrefixRouting(Protocol):
 
 
 class Engine(Protocol):
+    name: str  # hf, vllm or sim: the heartbeat tells the gateway, which refuses what this engine cannot do
     slots: int
     routing: PrefixRouting | None  # None: no prefix cache (ENGINE=sim, or the cache turned off)
 

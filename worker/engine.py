@@ -171,6 +171,8 @@ def chunk_tokens(chunk: int, depth: int) -> int:
 
 
 class Engine:
+    name = "hf"
+
     def __init__(self, loaded: LoadedModel, slots: int, static: bool = False, block: int = 0,
                  chunk: int = DEFAULT_CHUNK, prefix_bytes: int = DEFAULT_PREFIX_BYTES) -> None:
         """`block`: tokens per prefill forward and per cached block (0: by device); `chunk`: tokens of each

@@ -186,7 +186,7 @@ class Worker:
         beat = Heartbeat(self.id, self.loaded.name, self.loaded.max_length, self.engine.slots,
                          self.engine.running_count, self.engine.waiting_count, self.finished_total, now(),
                          draining=self.drain_until is not None, metrics_port=self.metrics_port,
-                         vocab=self.loaded.vocab, prefixes=self._held_prefixes())
+                         vocab=self.loaded.vocab, prefixes=self._held_prefixes(), engine=self.engine.name)
         ttl_ms = int(self.settings.worker_ttl * 1000)
         pipe = self.redis.pipeline(transaction=False)
         pipe.set(self.keys.heartbeat(self.id), encode(beat, self.settings.max_message_bytes), px=ttl_ms)

@@ -65,6 +65,7 @@ def sim_token(position: int) -> int:
 class SimEngine:
     """The Engine's interface, with a sleep for a forward pass."""
 
+    name = "sim"
     cache_positions = 0
     routing = None
 

@@ -26,6 +26,7 @@ from collections.abc import Sequence as Tokens
 from dataclasses import dataclass
 from typing import Any
 
+from common.errors import ErrorCode
 from common.prefix import TextPrefix
 from common.protocol import SamplingParams, TokenLogprob
 from common.settings import Settings, env_names
@@ -48,8 +49,8 @@ def as_lark(grammar: str) -> str:
         parts = json.loads(grammar)["grammars"]
     except (ValueError, KeyError, TypeError) as exc:
         raise GrammarError(f"the grammar cannot be read: {exc}") from None
-    if len(parts) != 1:
-        raise GrammarError("a grammar of several parts cannot be given to vLLM")
+    if not isinstance(parts, list) or len(parts) != 1 or not isinstance(parts[0], dict):
+        raise GrammarError("only a grammar of one part can be given to vLLM")
     part = parts[0]
     if part.get("lark_grammar"):
         return part["lark_grammar"]
@@ -74,10 +75,11 @@ def resumed_biases(params: SamplingParams, resume: Tokens[int]) -> dict[int, flo
 def sampling_arguments(params: SamplingParams, resume: Tokens[int]) -> dict[str, Any]:
     """vLLM's SamplingParams fields for one of our requests (n is always 1: the gateway sends each choice
     as a request of its own, with seed + i)."""
+    left = params.max_tokens - len(resume)
     arguments: dict[str, Any] = {
         "n": 1,
-        "max_tokens": params.max_tokens - len(resume),
-        "min_tokens": max(0, params.min_tokens - len(resume)),
+        "max_tokens": left,
+        "min_tokens": min(max(0, params.min_tokens - len(resume)), left),  # vLLM refuses more than max_tokens
         "temperature": params.temperature,
         "top_p": params.top_p,
         "top_k": params.top_k if params.top_k > 0 else 0,
@@ -139,6 +141,8 @@ class VllmPrefixes:
 class VllmEngine:
     """worker/core.py's Engine over a vLLM LLMEngine whose engine core runs in this process."""
 
+    name = "vllm"
+
     def __init__(self, model: VllmModel, llm: Any, slots: int, core: Any = None) -> None:
         self.model = model
         self.llm = llm
@@ -147,6 +151,9 @@ class VllmEngine:
         self.by_internal: dict[str, str] = {}
         # Delivered tokens a migrated request's grammar must have seen, by vLLM's id, until vLLM builds it.
         self.replays: dict[str, list[int]] = {}
+        # Each constrained request's matcher as vLLM built it, by vLLM's id: a parse that fails (past llguidance's
+        # limits) makes vLLM end the answer with an end-of-sequence; here it fails the request, as on the own engine.
+        self.matchers: dict[str, Any] = {}
         self.last_added = ""
         self.scheduler = getattr(core, "scheduler", None)
         self.routing = self._routing()
@@ -231,6 +238,7 @@ class VllmEngine:
     def _forget(self, sequence: _Sequence) -> None:
         self.by_internal.pop(sequence.internal_id, None)
         self.replays.pop(sequence.internal_id, None)
+        self.matchers.pop(sequence.internal_id, None)
 
     # -- one step
 
@@ -253,6 +261,9 @@ class VllmEngine:
         tokens = list(completion.token_ids)
         if not tokens and request_output.finished:  # ended without a token (an error, or aborted by vLLM)
             return [self._end_without_token(sequence, completion.finish_reason)]
+        if self._grammar_failed(sequence):
+            return [self._fail(sequence, "the grammar cannot be kept to: its parse failed", ErrorCode.INVALID_VALUE,
+                               aborted=request_output.finished)]
         outputs = []
         for position, token in enumerate(tokens):
             ended = request_output.finished and position == len(tokens) - 1
@@ -292,10 +303,21 @@ class VllmEngine:
         return sequence.stops.push(text, last=last)
 
     def _end_without_token(self, sequence: _Sequence, reason: str | None) -> StepOutput:
+        code = ErrorCode.INVALID_VALUE if sequence.params.grammar else ErrorCode.ENGINE_ERROR  # a grammar vLLM refused
+        return self._fail(sequence, f"vLLM ended the request without a token ({reason})", code, aborted=True)
+
+    def _fail(self, sequence: _Sequence, message: str, code: ErrorCode, aborted: bool = False) -> StepOutput:
+        """The request fails alone: it leaves vLLM (unless vLLM already dropped it) and this engine."""
         self.sequences.pop(sequence.request_id, None)
         self._forget(sequence)
+        if not aborted:
+            self.llm.abort_request([sequence.internal_id], internal=True)
         return StepOutput(sequence.request_id, -1, sequence.emitted, "", None, sequence.prompt_tokens,
-                          error=f"vLLM ended the request without a token ({reason})")
+                          error=message, error_code=code)
+
+    def _grammar_failed(self, sequence: _Sequence) -> bool:
+        matcher = getattr(self.matchers.get(sequence.internal_id), "ll_matcher", None)
+        return matcher is not None and matcher.is_error()
 
     @staticmethod
     def _reason(vllm_reason: str | None) -> str | None:
@@ -343,6 +365,7 @@ class VllmEngine:
 
         def create_grammar(request: Any) -> Any:
             grammar = build(request)
+            self.matchers[request.request_id] = grammar
             replay = self.replays.pop(request.request_id, None)
             if replay and not grammar.accept_tokens(request.request_id, replay):
                 raise GrammarError("the delivered tokens do not keep to the grammar")

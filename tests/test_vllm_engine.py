@@ -1,0 +1,134 @@
+"""ENGINE=vllm's pure parts, without vLLM: how our requests become vLLM's sampling fields and grammars, which
+engine `auto` picks, vLLM's engine arguments from our settings, and what the gateway refuses for a vLLM worker.
+The engine itself runs in tests/test_engine_contract.py and tests/test_vllm_stack.py."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from llguidance import LLMatcher
+
+from common import grammar as grammars
+from common import toolcalls
+from common.protocol import SamplingParams, Tool
+from common.settings import Settings, SettingsError
+from gateway.engine_limits import refusal
+from gateway.schemas import GenerateRequest
+from worker import vllm_model
+from worker.engines import choose
+from worker.vllm_engine import as_lark, resumed_biases, sampling_arguments
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+def accepts(grammar: str, text: str) -> bool:
+    """Whether `text` is a whole answer of the Lark `grammar`, by llguidance on bytes."""
+    matcher = LLMatcher(grammars._BYTES or _bytes(), LLMatcher.grammar_from_lark(grammar), log_level=0)
+    return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
+
+
+def _bytes():
+    grammars.probe(grammars.regex("a"))  # builds the byte tokenizer common/grammar.py keeps
+    return grammars._BYTES
+
+
+@pytest.mark.parametrize(("built", "good", "bad"), [
+    (grammars.json_schema(SCHEMA), '{"city": "Paris"}', '{"city":"Paris"}'),
+    (grammars.regex("[a-z]+ [0-9]"), "abc 7", "abc7"),
+    (grammars.choice(["yes", "no"]), "no", "maybe"),
+    (grammars.lark('start: "a" "b"+'), "abbb", "ba"),
+])
+def test_the_gateways_grammars_keep_their_language_as_lark_for_vllm(built: str, good: str, bad: str) -> None:
+    lark = as_lark(built)
+    assert not lark.lstrip().startswith("{")
+    assert accepts(lark, good) and not accepts(lark, bad)
+
+
+def test_a_tool_call_grammar_passes_as_it_is() -> None:
+    tools = [Tool("weather", "", json.dumps({"type": "object", "properties": {"city": {"type": "string"}}}))]
+    built = toolcalls.grammar(tools, None, True, False)
+    assert as_lark(built) == built
+    assert accepts(as_lark(built), '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+
+
+def test_a_grammar_vllm_cannot_take_is_a_grammar_error() -> None:
+    with pytest.raises(grammars.GrammarError):
+        as_lark('{"grammars": [{"lark_grammar": "start: a"}, {"lark_grammar": "start: b"}]}')
+    with pytest.raises(grammars.GrammarError):
+        as_lark('{"grammars": 3}')
+
+
+def test_a_ban_is_minus_infinity_and_delivered_tokens_carry_their_penalties() -> None:
+    params = SamplingParams(logit_bias=((5, -100.0), (6, 2.5)), frequency_penalty=0.5, presence_penalty=0.25)
+    biases = resumed_biases(params, [6, 6, 7])
+    assert biases == {5: float("-inf"), 6: 2.5 - 2 * 0.5 - 0.25, 7: -0.5 - 0.25}
+    assert resumed_biases(SamplingParams(), [1, 2]) == {}
+
+
+def test_a_resumed_request_asks_vllm_for_what_is_left() -> None:
+    params = SamplingParams(max_tokens=10, min_tokens=6, top_k=-1, temperature=0, seed=3, logprobs=2)
+    arguments = sampling_arguments(params, [1, 2, 3, 4])
+    assert arguments["max_tokens"] == 6 and arguments["min_tokens"] == 2
+    assert arguments["top_k"] == 0 and arguments["seed"] == 3 and arguments["logprobs"] == 2
+    assert arguments["n"] == 1 and arguments["detokenize"] is False
+    assert "logit_bias" not in arguments
+    assert sampling_arguments(SamplingParams(max_tokens=3, min_tokens=9), [])["min_tokens"] == 3
+
+
+def test_auto_picks_vllm_only_with_a_gpu_and_vllm_installed() -> None:
+    assert choose("auto", cuda=True, vllm_installed=True) == "vllm"
+    assert choose("auto", cuda=True, vllm_installed=False) == "hf"
+    assert choose("auto", cuda=False, vllm_installed=True) == "hf"
+    assert choose("vllm", cuda=False, vllm_installed=True) == "vllm"
+    assert choose("sim", cuda=True, vllm_installed=True) == "sim"
+
+
+def test_vllm_engine_arguments_follow_our_settings() -> None:
+    settings = Settings(worker_slots=24, vllm_max_model_len=4096, vllm_kv_cache_gb=3, vllm_tensor_parallel_size=2,
+                        vllm_gpu_memory_utilization=0.8, prefix_cache_bytes=0)
+    gpu = vllm_model.engine_arguments(settings, "/m", cuda=True)
+    assert gpu["max_num_seqs"] == 24 and gpu["max_model_len"] == 4096 and gpu["tensor_parallel_size"] == 2
+    assert gpu["gpu_memory_utilization"] == 0.8 and gpu["kv_cache_memory_bytes"] == 3 << 30
+    assert gpu["dtype"] == "bfloat16" and gpu["enforce_eager"] is False and gpu["enable_prefix_caching"] is False
+    assert gpu["structured_outputs_config"] == {"backend": "guidance"}
+    cpu = vllm_model.engine_arguments(Settings(), "/m", cuda=False)
+    assert cpu["dtype"] == "float32" and cpu["enforce_eager"] is True and "max_model_len" not in cpu
+    assert "kv_cache_memory_bytes" not in cpu and cpu["enable_prefix_caching"] is True
+    assert vllm_model.enforce_eager("off", cuda=False) is False and vllm_model.enforce_eager("on", cuda=True)
+    assert vllm_model.dtype("float16", cuda=False) == "float16"
+
+
+def test_vllm_on_cpu_gets_a_bounded_kv_cache_and_the_workers_threads() -> None:
+    assert vllm_model.cpu_environment(Settings(worker_threads=3)) == {
+        "VLLM_CPU_KVCACHE_SPACE": str(vllm_model.CPU_KV_CACHE_GB), "OMP_NUM_THREADS": "3"}
+    assert vllm_model.cpu_environment(Settings(vllm_kv_cache_gb=5, worker_threads=1))["VLLM_CPU_KVCACHE_SPACE"] == "5"
+
+
+@pytest.mark.parametrize(("name", "value"), [("ENGINE", "tensorrt"), ("VLLM_ENFORCE_EAGER", "yes"),
+                                             ("VLLM_GPU_MEMORY_UTILIZATION", "1.5"),
+                                             ("VLLM_TENSOR_PARALLEL_SIZE", "0")])
+def test_a_bad_vllm_setting_fails_at_start_naming_it(monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SettingsError, match=name):
+        Settings.from_env()
+
+
+def test_a_converted_model_is_named_by_its_file_and_written_again_when_it_changes(tmp_path) -> None:
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"one")
+    first = vllm_model.converted_dir(str(gguf), str(tmp_path / "cache"))
+    os.utime(gguf, ns=(1, 1))
+    assert vllm_model.converted_dir(str(gguf), str(tmp_path / "cache")) != first
+    assert os.path.basename(first).startswith("model-")
+    assert vllm_model.hf_directory(Settings(model="org/some-model")) == "org/some-model"
+
+
+def test_the_gateway_refuses_what_a_vllm_worker_cannot_do_naming_the_field() -> None:
+    hot = GenerateRequest(prompt="x", temperature=3.0)
+    error = refusal({"vllm", "hf"}, hot)
+    assert error is not None and error.status == 400 and error.param == "temperature"
+    assert "2" in error.message
+    assert refusal({"hf", "sim", ""}, hot) is None
+    assert refusal({"vllm"}, GenerateRequest(prompt="x", temperature=2.0)) is None
