@@ -1,19 +1,28 @@
 """Fixtures that run the real parts: a private redis-server, the services as
-separate processes, the real default model."""
+separate processes, the real default model (in-process, loaded once per session), and the
+helpers every test file shares: a stack of ENGINE=sim workers, an engine stepped to the end."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
 import redis
 
 from common.clients import sync_client
-from common.protocol import Keys
-from llmserve.launcher import Stack, free_port, private_stack
+from common.protocol import Keys, SamplingParams
+from common.settings import Settings
+from llmserve.launcher import PrivateStack, Stack, free_port, private_stack
 from llmserve.launcher import wait_until as wait_for
+
+if TYPE_CHECKING:  # torch and the model load only where a test asks for them
+    from worker.core import StepOutput
+    from worker.engine import Engine
+    from worker.model import LoadedModel
 
 
 @dataclass
@@ -38,6 +47,24 @@ class RunningStack:
         return url, extra
 
 
+def trace(url: str, request_id: str, headers: dict | None = None) -> list[dict]:
+    """The hops of a request's journey across the services, in order (GET /v1/requests/{id}/trace)."""
+    response = httpx.get(f"{url}/v1/requests/{request_id}/trace", headers=headers, timeout=10)
+    assert response.status_code == 200, response.text
+    return response.json()["events"]
+
+
+def workers_of(url: str, request_id: str, hop: str = "dispatched", headers: dict | None = None) -> list[str]:
+    """The workers of the request's trace's `hop`s, in order: those it was dispatched to, or (hop "finished") the
+    one it finished on."""
+    return [e["detail"]["worker_id"] for e in trace(url, request_id, headers) if e["hop"] == hop]
+
+
+def dispatched_to(url: str, request_id: str, headers: dict | None = None) -> list[str]:
+    """The workers the request was dispatched to, in order, from its trace."""
+    return workers_of(url, request_id, "dispatched", headers)
+
+
 def responds(url: str) -> bool:
     try:
         return httpx.get(url).status_code < 500
@@ -55,3 +82,60 @@ def stack() -> Iterator[RunningStack]:
                 "SCHEDULER_METRICS_PORT": str(free_port()), "WORKER_METRICS_PORT": str(free_port())}
     with private_stack(STACK_WORKERS, **settings) as running:
         yield RunningStack(running.url, sync_client(running.redis_url), Keys("test"), running.stack)
+
+
+# What a sim stack runs with unless a test says otherwise: steps of 20 ms, a worker known lost within 2 s.
+SIM_SETTINGS = {"ENGINE": "sim", "SIM_STEP_MS": "20", "HEARTBEAT_INTERVAL": "0.3", "WORKER_TTL": "2",
+                "LOG_LEVEL": "WARNING"}
+
+
+@contextmanager
+def sim_stack(workers: int = 1, gateways: int = 1, redis: str = "single", **settings: str) -> Iterator[PrivateStack]:
+    """A private stack of ENGINE=sim workers (no model: it starts in seconds), SIM_SETTINGS under `settings`, its
+    services' metrics on free ports."""
+    merged = {**SIM_SETTINGS, "SCHEDULER_METRICS_PORT": str(free_port()), "WORKER_METRICS_PORT": str(free_port()),
+              **settings}
+    with private_stack(workers, gateways, redis, **merged) as running:
+        yield running
+
+
+def _load(**settings: object) -> LoadedModel:
+    from worker.model import load_model
+
+    return load_model(Settings(worker_threads=1, **settings))
+
+
+@pytest.fixture(scope="session")
+def loaded() -> LoadedModel:
+    """The real default model in-process as a worker loads it (WORKER_QUANT=auto: the GGUF file's blocks where the
+    kernels build), once for every test file that steps an engine on it. Tests only read it."""
+    return _load()
+
+
+@pytest.fixture(scope="session")
+def int8_loaded() -> LoadedModel:
+    """The real default model with WORKER_QUANT=int8."""
+    return _load(worker_quant="int8")
+
+
+@pytest.fixture(scope="session")
+def float_loaded() -> LoadedModel:
+    """The real default model in float32 (WORKER_QUANT=none)."""
+    return _load(worker_quant="none")
+
+
+Arrival = tuple[str, list[int], SamplingParams] | tuple[str, list[int], SamplingParams, list[int] | None]
+
+
+def run_engine(engine: Engine, arrivals: dict[int, list[Arrival]]) -> dict[str, list[StepOutput]]:
+    """Step `engine` until it has no work left, adding each (request id, prompt ids, params[, resume]) at its step;
+    returns each request's outputs in order."""
+    outputs: dict[str, list[StepOutput]] = {}
+    step = 0
+    while engine.has_work() or any(s >= step for s in arrivals):
+        for request_id, ids, params, *resume in arrivals.get(step, []):
+            engine.add(request_id, ids, params, *resume)
+        for out in engine.step().outputs:
+            outputs.setdefault(out.request_id, []).append(out)
+        step += 1
+    return outputs

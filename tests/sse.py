@@ -1,34 +1,48 @@
-"""A small SSE reader for the tests: events as (event, id, data) as a client sees them."""
+"""The tests' one SSE client: events as (event, id, data) as a client sees them, and a stream read whole (or up to
+a number of events) with what the tests ask of it: its request id, token indexes, text, how it ended, and when
+each event arrived."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import httpx
+
+DONE = "[DONE]"  # the OpenAI stream's last data
 
 
 @dataclass
 class Event:
     event: str | None
     id: str | None
-    data: dict
+    data: dict  # the JSON data; {} for the OpenAI stream's [DONE]
+    retry: int | None = None
+    raw: str = ""  # the data as sent
+
+    @property
+    def done(self) -> bool:
+        return self.raw == DONE
 
 
 def events(response: httpx.Response) -> Iterator[Event]:
-    event, event_id, data = None, None, []
+    event, event_id, data, retry = None, None, [], None
     for line in response.iter_lines():
         if not line:
             if data:
-                yield Event(event, event_id, json.loads("\n".join(data)))
-            event, event_id, data = None, None, []
+                raw = "\n".join(data)
+                yield Event(event, event_id, {} if raw == DONE else json.loads(raw), retry, raw)
+            event, event_id, data, retry = None, None, [], None
         elif line.startswith("data:"):
             data.append(line[5:].strip())
         elif line.startswith("id:"):
             event_id = line[3:].strip()
         elif line.startswith("event:"):
             event = line[6:].strip()
+        elif line.startswith("retry:"):
+            retry = int(line[6:].strip())
 
 
 def stream(client: httpx.Client, body: dict) -> tuple[str, list[Event]]:
@@ -36,3 +50,79 @@ def stream(client: httpx.Client, body: dict) -> tuple[str, list[Event]]:
         assert response.status_code == 200, response.read()
         assert response.headers["content-type"].startswith("text/event-stream")
         return response.headers["x-request-id"], list(events(response))
+
+
+@dataclass
+class Streamed:
+    """What one connection got: its status and headers, the events it read so far (the body instead, when the
+    answer was not a stream), and the time.monotonic() of the request and of each event's arrival."""
+
+    status: int = 0
+    headers: httpx.Headers = field(default_factory=httpx.Headers)
+    started: float = 0.0
+    events: list[Event] = field(default_factory=list)
+    arrived: list[float] = field(default_factory=list)
+    body: bytes = b""
+
+    @property
+    def request_id(self) -> str:
+        return self.headers.get("x-request-id", "")
+
+    @property
+    def tokens(self) -> list[dict]:
+        """The native stream's token events' data."""
+        return [e.data for e in self.events if e.event is None and "index" in e.data]
+
+    @property
+    def indexes(self) -> list[int]:
+        return [t["index"] for t in self.tokens]
+
+    @property
+    def text(self) -> str:
+        return "".join(t["token"] for t in self.tokens)
+
+    @property
+    def final(self) -> dict:
+        """The last event's data when it is not a token: the final event, or an error's."""
+        last = self.events[-1] if self.events else None
+        return last.data if last is not None and "index" not in last.data else {}
+
+    @property
+    def ended(self) -> str:
+        """'done', 'error' (an error event last), 'open' (read up to a count) or 'status <code>'."""
+        if self.status != 200:
+            return f"status {self.status}"
+        if not self.events or "index" in self.events[-1].data:
+            return "open"
+        return "error" if self.events[-1].event == "error" else "done"
+
+    @property
+    def first_token_s(self) -> float:
+        """Seconds from the request to its first token."""
+        first = next(i for i, e in enumerate(self.events) if "index" in e.data)
+        return self.arrived[first] - self.started
+
+
+def read(url: str, path: str, method: str | None = None, body: dict | None = None, headers: dict | None = None,
+         upto: int | None = None, *, on_token: Callable[[str, int], object] | None = None, timeout: float = 120.0,
+         into: Streamed | None = None) -> Streamed:
+    """Open a stream (POST with a body, else GET) and read it to its end; with `upto`, drop the connection after
+    that many events. After each token of a native stream, `on_token(request_id, index)`. `into` shows the events
+    as they arrive (to another thread)."""
+    got = into if into is not None else Streamed()
+    got.started = time.monotonic()
+    method = method or ("POST" if body is not None else "GET")
+    with httpx.Client(timeout=timeout) as client, client.stream(method, f"{url}{path}", json=body,
+                                                                headers=headers) as response:
+        got.status, got.headers = response.status_code, response.headers
+        if response.status_code != 200 or not response.headers["content-type"].startswith("text/event-stream"):
+            got.body = response.read()
+            return got
+        for event in events(response):
+            got.events.append(event)
+            got.arrived.append(time.monotonic())
+            if on_token is not None and event.event is None and "index" in event.data:
+                on_token(got.request_id, event.data["index"])
+            if upto is not None and len(got.events) >= upto:
+                break
+    return got

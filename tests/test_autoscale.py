@@ -22,14 +22,14 @@ import redis
 import yaml
 
 from common.protocol import Keys
-from llmserve.launcher import PrivateStack, free_port, private_stack, wait_until
-from tests.sse import events
+from llmserve.launcher import PrivateStack, wait_until
+from tests.conftest import sim_stack
+from tests.sse import Streamed, read
 
 ROOT = Path(__file__).resolve().parent.parent
 NS = "autoscale"
 SLOTS = 4
-SIM = {"NAMESPACE": NS, "ENGINE": "sim", "WORKER_SLOTS": str(SLOTS), "SIM_STEP_MS": "30", "HEARTBEAT_INTERVAL": "0.3",
-       "WORKER_TTL": "2", "SCHEDULER_METRICS_PORT": str(free_port()), "WORKER_METRICS_PORT": str(free_port())}
+SIM = {"NAMESPACE": NS, "WORKER_SLOTS": str(SLOTS), "SIM_STEP_MS": "30"}
 
 
 def scaled_object() -> dict:
@@ -121,26 +121,10 @@ class Controller:
             time.sleep(0.25)
 
 
-@dataclass
-class Streamed:
-    first_token_s: float
-    indexes: list[int]
-    final: dict
-
-
 def stream(url: str, body: dict) -> Streamed:
-    started, first, indexes, final = time.monotonic(), 0.0, [], {}
-    with httpx.Client(base_url=url, timeout=300) as client, \
-            client.stream("POST", "/generate_stream", json=body) as response:
-        assert response.status_code == 200, response.read()
-        for event in events(response):
-            assert event.event != "error", event.data
-            if "index" in event.data:
-                first = first or time.monotonic() - started
-                indexes.append(event.data["index"])
-            else:
-                final = event.data
-    return Streamed(first, indexes, final)
+    got = read(url, "/generate_stream", body=body, timeout=300)
+    assert got.status == 200 and got.ended == "done", (got.body, got.final)
+    return got
 
 
 def whole(result: Streamed, tokens: int) -> bool:
@@ -148,23 +132,24 @@ def whole(result: Streamed, tokens: int) -> bool:
 
 
 @pytest.fixture
-def sim_stack() -> Iterator[PrivateStack]:
-    with private_stack(0, **SIM) as running:
+def autoscaled() -> Iterator[PrivateStack]:
+    """No worker yet: the controller starts them."""
+    with sim_stack(0, **SIM) as running:
         yield running
 
 
-def test_sim_workers_scale_from_zero_out_under_a_burst_in_and_back_to_zero(sim_stack: PrivateStack) -> None:
-    controller = Controller(sim_stack, NS, target=SLOTS, max_workers=4)
+def test_sim_workers_scale_from_zero_out_under_a_burst_in_and_back_to_zero(autoscaled: PrivateStack) -> None:
+    controller = Controller(autoscaled, NS, target=SLOTS, max_workers=4)
     body = {"prompt": "Tell me about ships", "max_tokens": 120}
     with ThreadPoolExecutor(32) as pool:
-        first = pool.submit(stream, sim_stack.url, body)
+        first = pool.submit(stream, autoscaled.url, body)
         controller.run_until(first.done, 120)
         assert whole(first.result(), 120) and controller.peak == 1
         from_zero = first.result().first_token_s
 
         # The last few run longest: they hold workers while the demand falls and workers are stopped.
         lengths = [120] * 20 + [300] * 4
-        burst = [pool.submit(stream, sim_stack.url, {**body, "max_tokens": n}) for n in lengths]
+        burst = [pool.submit(stream, autoscaled.url, {**body, "max_tokens": n}) for n in lengths]
         controller.run_until(lambda: all(s.done() for s in burst), 240)
         assert controller.peak == 4, "24 requests of 4 slots each: as many workers as allowed"
         assert all(whole(s.result(), n) for s, n in zip(burst, lengths, strict=True)), \
@@ -176,14 +161,14 @@ def test_sim_workers_scale_from_zero_out_under_a_burst_in_and_back_to_zero(sim_s
     assert len(controller.stopped) == 4 and all(w.returncode == 0 for w in controller.stopped), \
         "every worker stopped by SIGTERM drained and exited cleanly"
     # The gateway caches the worker list for a second.
-    wait_until(lambda: httpx.get(f"{sim_stack.url}/health").json()["workers"] == 0, 10, "no worker in /health")
+    wait_until(lambda: httpx.get(f"{autoscaled.url}/health").json()["workers"] == 0, 10, "no worker in /health")
     print(f"scale from zero (sim worker): first token {from_zero:.2f} s after the request; "
           f"burst of 24 served by up to {controller.peak} workers, {controller.stopped_busy} stopped while busy")
 
 
 def test_a_real_model_worker_scales_from_zero_for_the_first_request() -> None:
     settings = {**SIM, "ENGINE": "hf", "NAMESPACE": "autoscale-hf", "WORKER_THREADS": "1"}
-    with private_stack(0, **settings) as running:
+    with sim_stack(0, **settings) as running:
         controller = Controller(running, settings["NAMESPACE"], target=SLOTS, max_workers=1)
         with ThreadPoolExecutor(1) as pool:
             first = pool.submit(stream, running.url, {"prompt": "The quick brown", "max_tokens": 8,

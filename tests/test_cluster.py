@@ -31,8 +31,8 @@ from gateway.shards import ShardedRouter
 from llmserve.launcher import PrivateStack, free_port, private_stack, wait_until
 from llmserve.topology import Cluster, start_cluster
 from tests import test_faults, test_openai, test_resume, test_stack, test_structured, test_tokenize
-from tests.conftest import RunningStack
-from tests.sse import events
+from tests.conftest import RunningStack, sim_stack
+from tests.sse import Streamed, read
 
 LIMIT = 1 << 20
 
@@ -252,39 +252,31 @@ def test_a_lost_node_fails_every_request_in_flight_and_new_ones_until_it_returns
 
 # A sim stack on a cluster whose node dies mid-stream.
 
-SIM = {"ENGINE": "sim", "SIM_STEP_MS": "20", "HEARTBEAT_INTERVAL": "0.3", "WORKER_TTL": "2", "LOG_LEVEL": "ERROR"}
-
-
-def long_stream(url: str, tokens: int = 400) -> tuple[str, list[int], dict]:
-    """A stream (400 tokens: 8 s); returns how it ended ('done', 'error' or 'status <n>'), the indexes it got
-    and its last event's data."""
+def long_stream(url: str, tokens: int = 400, into: Streamed | None = None) -> Streamed:
+    """A stream (400 tokens: 8 s at the sim's 20 ms steps)."""
     body = {"prompt": "a long one", "max_tokens": tokens, "ignore_eos": True}
-    with httpx.Client(base_url=url, timeout=60) as http, http.stream("POST", "/generate_stream", json=body) as response:
-        if response.status_code != 200:
-            return f"status {response.status_code}", [], {}
-        got = list(events(response))
-    indexes = [e.data["index"] for e in got if "index" in e.data]
-    return ("error" if got[-1].event == "error" else "done"), indexes, got[-1].data
+    return read(url, "/generate_stream", body=body, timeout=60, into=into)
 
 
 @pytest.mark.parametrize("redis_kind", ["cluster", "cluster-with-replicas"])
 def test_a_cluster_master_killed_mid_stream_ends_every_stream_clearly_and_the_stack_recovers(redis_kind: str) -> None:
     """Without replicas the stack serves again once the node is back; with them, once a replica has taken
     the lost master's slots over (the node stays dead)."""
-    with private_stack(2, redis=redis_kind, **SIM) as sim:
+    with sim_stack(2, redis=redis_kind, LOG_LEVEL="ERROR") as sim:
         nodes = sim.topology
         victim = nodes.ports.index(sync_client(nodes.url).get_primaries()[0].port)
+        ended = [Streamed() for _ in range(8)]
         with ThreadPoolExecutor(8) as pool:
-            streams = [pool.submit(long_stream, sim.url) for _ in range(8)]
-            time.sleep(2)
+            streams = [pool.submit(long_stream, sim.url, into=got) for got in ended]
+            wait_until(lambda: all(len(got.indexes) >= 5 for got in ended), 30, "every stream under way", 0.05)
             killed_at = time.monotonic()
             nodes.kill(victim)
             ended = [stream.result() for stream in streams]
         ended_s = time.monotonic() - killed_at
         print(f"{redis_kind}, master kill -9: 8 streams ended {ended_s:.2f} s later")
-        assert [how for how, _, _ in ended] == ["error"] * 8
-        assert all(last["error"]["code"] == "redis_unavailable" for _, _, last in ended)
-        assert all(indexes == list(range(len(indexes))) and indexes for _, indexes, _ in ended)
+        assert [got.ended for got in ended] == ["error"] * 8
+        assert all(got.final["error"]["code"] == "redis_unavailable" for got in ended)
+        assert all(got.indexes == list(range(len(got.indexes))) and got.indexes for got in ended)
         assert ended_s < 10
         # With replicas, one may have taken the slots over already: then the stack serves at once.
         if not nodes.replicas:
@@ -306,15 +298,15 @@ def test_a_cluster_master_killed_mid_stream_ends_every_stream_clearly_and_the_st
         # survived, records the error (or, where the stack could not yet write it, the cancel that followed when
         # its lease lapsed); or the request outlived the failover on its worker and the resume gets the rest of
         # it, to its end; or it is gone with its node.
-        for _, indexes, last in ended:
-            resumed = httpx.get(f"{sim.url}/v1/requests/{last['sequence_id']}/stream",
-                                headers={"Last-Event-ID": str(indexes[-1])}, timeout=15)
+        for got in ended:
+            resumed = httpx.get(f"{sim.url}/v1/requests/{got.final['sequence_id']}/stream",
+                                headers={"Last-Event-ID": str(got.indexes[-1])}, timeout=15)
             assert resumed.status_code in (200, 404), resumed.text
             if resumed.status_code == 200:
                 whole = '"completion_tokens":400}' in resumed.text
                 assert "event: error" in resumed.text or whole, resumed.text[-600:]
         with ThreadPoolExecutor(4) as pool:
-            assert [how for how, _, _ in pool.map(lambda _: long_stream(sim.url, 20), range(4))] == ["done"] * 4
+            assert [got.ended for got in pool.map(lambda _: long_stream(sim.url, 20), range(4))] == ["done"] * 4
 
 
 # The existing end-to-end tests, unchanged, on a cluster: a real-model stack (streaming, OpenAI, migration,
@@ -336,9 +328,7 @@ def stack(chaos: PrivateStack) -> RunningStack:
 
 @pytest.fixture(scope="module")
 def sim() -> Iterator[PrivateStack]:
-    settings = {**test_resume.SETTINGS, "SCHEDULER_METRICS_PORT": str(free_port()),
-                "WORKER_METRICS_PORT": str(free_port())}
-    with private_stack(1, gateways=2, redis="cluster", **settings) as running:
+    with sim_stack(1, gateways=2, redis="cluster", **test_resume.SETTINGS) as running:
         yield running
 
 

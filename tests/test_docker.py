@@ -25,7 +25,8 @@ import pytest
 
 from llmserve.launcher import free_port
 from llmserve.launcher import wait_until as wait_for
-from tests.sse import events
+from tests.conftest import dispatched_to
+from tests.sse import Streamed, read
 
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT = "llmserve-e2e"
@@ -167,30 +168,11 @@ def compose() -> Iterator[Compose]:
         print(f"compose down in {time.monotonic() - stopped:.1f} s")
 
 
-def stream(url: str, body: dict, on_token=None) -> tuple[str, list[int], str, dict]:
-    """POST /generate_stream; `on_token(request_id, index)` after each token. Returns the request id,
-    the token indexes, the text and the final event."""
-    indexes, text, final = [], "", {}
-    with httpx.Client(base_url=url, timeout=180) as client, \
-            client.stream("POST", "/generate_stream", json=body) as response:
-        assert response.status_code == 200, response.read()
-        request_id = response.headers["x-request-id"]
-        for event in events(response):
-            assert event.event != "error", event.data
-            if "index" in event.data:
-                indexes.append(event.data["index"])
-                text += event.data["token"]
-                if on_token:
-                    on_token(request_id, event.data["index"])
-            else:
-                final = event.data
-    return request_id, indexes, text, final
-
-
-def dispatched_to(url: str, request_id: str) -> list[str]:
-    """The workers the request was dispatched to, in order, from its trace."""
-    trace = httpx.get(f"{url}/v1/requests/{request_id}/trace", timeout=10).json()
-    return [e["detail"]["worker_id"] for e in trace["events"] if e["hop"] == "dispatched"]
+def stream(url: str, body: dict, on_token=None) -> Streamed:
+    """POST /generate_stream, whole; `on_token(request_id, index)` after each token."""
+    got = read(url, "/generate_stream", body=body, on_token=on_token, timeout=180)
+    assert got.status == 200 and got.ended == "done", (got.body, got.final)
+    return got
 
 
 def test_the_images_copy_every_package_and_the_context_holds_only_what_they_copy() -> None:
@@ -204,9 +186,9 @@ def test_the_images_copy_every_package_and_the_context_holds_only_what_they_copy
 
 
 def test_compose_up_serves_the_readme_stream_with_every_service_healthy(compose: Compose) -> None:
-    _, indexes, text, final = stream(compose.url, {"prompt": "The quick brown"})
-    assert indexes == list(range(len(indexes))) and text.strip()
-    assert final["finish_reason"] in ("length", "stop") and final["completion_tokens"] == len(indexes)
+    got = stream(compose.url, {"prompt": "The quick brown"})
+    assert got.indexes == list(range(len(got.indexes))) and got.text.strip()
+    assert got.final["finish_reason"] in ("length", "stop") and got.final["completion_tokens"] == len(got.indexes)
     containers = [c for service in ("redis", "gateway", "scheduler", "worker") for c in compose.containers(service)]
     wait_for(lambda: all(healthy(c) for c in containers), 60, "every container healthy", 1)
     users = {run("docker", "exec", c, "id", "-u").stdout.strip() for c in containers[1:]}
@@ -235,7 +217,7 @@ def test_two_workers_both_serve(compose: Compose) -> None:
 def test_a_worker_sigtermed_mid_stream_loses_nothing(compose: Compose) -> None:
     compose("up", "-d", "--no-build", "--scale", "worker=2")
     wait_for(lambda: compose.health().get("workers") == 2, 300, "two workers in /health", 1)
-    _, _, expected, _ = stream(compose.url, LONG)
+    expected = stream(compose.url, LONG).text
     stopped: list[str] = []
 
     def stop_its_worker(request_id: str, index: int) -> None:
@@ -248,13 +230,13 @@ def test_a_worker_sigtermed_mid_stream_loses_nothing(compose: Compose) -> None:
 
     with ThreadPoolExecutor(4) as pool:  # company for the stopped worker, so that it holds several streams
         others = [pool.submit(stream, compose.url, LONG) for _ in range(3)]
-        request_id, indexes, text, final = stream(compose.url, LONG, stop_its_worker)
+        got = stream(compose.url, LONG, stop_its_worker)
         for other in others:
-            assert other.result()[1:3] == (list(range(48)), expected)
+            assert (other.result().indexes, other.result().text) == (list(range(48)), expected)
     assert stopped, "the stream ended before the worker could be stopped"
-    assert indexes == list(range(48)) and text == expected
-    assert final["finish_reason"] == "length" and final["completion_tokens"] == 48
-    workers = dispatched_to(compose.url, request_id)
+    assert got.indexes == list(range(48)) and got.text == expected
+    assert got.final["finish_reason"] == "length" and got.final["completion_tokens"] == 48
+    workers = dispatched_to(compose.url, got.request_id)
     assert len(workers) == 2 and workers[0].startswith(stopped[0][:12]), workers
     state = json.loads(run("docker", "inspect", "--format", "{{json .State}}", stopped[0]).stdout)
     assert state["ExitCode"] == 0 and not state["OOMKilled"], state

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from common.protocol import SamplingParams
-from common.settings import Settings
+from tests.conftest import run_engine
 from worker.core import PromptTooLong
 from worker.detokenizer import Detokenizer
 from worker.engine import Engine
-from worker.model import LoadedModel, load_model
+from worker.model import LoadedModel
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 PROMPTS = {
@@ -19,22 +19,11 @@ PROMPTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def loaded() -> LoadedModel:
-    return load_model(Settings(worker_threads=1))
-
-
 def run(engine: Engine, arrivals: dict[int, list[tuple[str, SamplingParams]]]) -> dict[str, list[int]]:
     """Step the engine, adding each (prompt key, params) at its step; returns each request's tokens."""
-    tokens: dict[str, list[int]] = {}
-    step = 0
-    while engine.has_work() or any(s >= step for s in arrivals):
-        for key, params in arrivals.get(step, []):
-            engine.add(key, engine.loaded.tokenizer(PROMPTS[key])["input_ids"], params)
-        for out in engine.step().outputs:
-            tokens.setdefault(out.request_id, []).append(out.token_id)
-        step += 1
-    return tokens
+    prompts = {step: [(key, engine.loaded.tokenizer(PROMPTS[key])["input_ids"], params) for key, params in added]
+               for step, added in arrivals.items()}
+    return {key: [out.token_id for out in outs] for key, outs in run_engine(engine, prompts).items()}
 
 
 def solo(loaded: LoadedModel, key: str, params: SamplingParams = GREEDY) -> list[int]:
@@ -111,9 +100,7 @@ def test_finish_reasons(loaded: LoadedModel) -> None:
     chat = loaded.chat_ids([{"role": "user", "content": "Say hi."}])
     engine.add("chat", chat, SamplingParams(max_tokens=200, temperature=0))
     engine.add("short", loaded.tokenizer("Hello")["input_ids"], SamplingParams(max_tokens=2, temperature=0))
-    reasons = {}
-    while engine.has_work():
-        reasons.update({o.request_id: o.finish_reason for o in engine.step().outputs if o.finish_reason})
+    reasons = {key: outs[-1].finish_reason for key, outs in run_engine(engine, {}).items()}
     assert reasons == {"chat": "stop", "short": "length"}
 
 
@@ -162,13 +149,9 @@ def test_a_row_that_cannot_be_sampled_fails_alone_and_its_batch_mates_go_on(load
     engine = Engine(loaded, 16)
     for key, params in (("a", GREEDY), ("b", broken), ("c", huge_k)):
         engine.add(key, loaded.tokenizer(PROMPTS[key])["input_ids"], params)
-    tokens, errors = {}, {}
-    while engine.has_work():
-        for out in engine.step().outputs:
-            if out.error:
-                errors[out.request_id] = out.error
-            else:
-                tokens.setdefault(out.request_id, []).append(out.token_id)
+    outputs = run_engine(engine, {})
+    errors = {key: out.error for key, outs in outputs.items() for out in outs if out.error}
+    tokens = {key: [out.token_id for out in outs if not out.error] for key, outs in outputs.items()}
     assert list(errors) == ["b"] and len(tokens["b"]) == 1
     assert tokens["a"] == solo(loaded, "a")
     assert len(tokens["c"]) == 4  # a top_k past the vocabulary means the whole vocabulary

@@ -7,10 +7,10 @@ import torch
 from msgspec.structs import replace
 
 from common.protocol import SamplingParams
-from common.settings import Settings
+from tests.conftest import run_engine
 from worker.core import StepOutput
 from worker.engine import Engine
-from worker.model import LoadedModel, load_model
+from worker.model import LoadedModel
 from worker.sampling import MAX_TOP_LOGPROBS, sample
 from worker.stops import StopMatcher
 
@@ -24,33 +24,12 @@ PROMPTS = {
 NEVER = "\x00"  # a character the model never writes: a stop string ending in it never completes
 
 
-@pytest.fixture(scope="module")
-def loaded() -> LoadedModel:
-    return load_model(Settings(worker_threads=1))
-
-
 def prompt_ids(loaded: LoadedModel, key: str) -> list[int]:
     return loaded.tokenizer(PROMPTS[key])["input_ids"]
 
 
-Arrivals = dict[int, list[tuple[str, list[int], SamplingParams]]]
-
-
-def run(engine: Engine, arrivals: Arrivals) -> dict[str, list[StepOutput]]:
-    """Step the engine, adding each (request id, prompt ids, params) at its step; returns each request's outputs."""
-    outputs: dict[str, list[StepOutput]] = {}
-    step = 0
-    while engine.has_work() or any(s >= step for s in arrivals):
-        for request_id, ids, params in arrivals.get(step, []):
-            engine.add(request_id, ids, params)
-        for out in engine.step().outputs:
-            outputs.setdefault(out.request_id, []).append(out)
-        step += 1
-    return outputs
-
-
 def alone(loaded: LoadedModel, ids: list[int], params: SamplingParams) -> list[StepOutput]:
-    return run(Engine(loaded, 16), {0: [("x", ids, params)]})["x"]
+    return run_engine(Engine(loaded, 16), {0: [("x", ids, params)]})["x"]
 
 
 def solo(loaded: LoadedModel, key: str, params: SamplingParams = GREEDY) -> list[StepOutput]:
@@ -222,7 +201,7 @@ def test_the_features_mixed_in_a_batch_do_not_change_any_request(loaded: LoadedM
         "held": ("b", replace(GREEDY, max_tokens=10, stop=(words[3][:2] + NEVER,))),
     }
     arrivals = {0: ["stopped", "penalised"], 2: ["scored", "plain"], 5: ["held"]}
-    mixed = run(Engine(loaded, 16), {step: [(name, prompt_ids(loaded, requests[name][0]), requests[name][1])
+    mixed = run_engine(Engine(loaded, 16), {step: [(name, prompt_ids(loaded, requests[name][0]), requests[name][1])
                                             for name in names] for step, names in arrivals.items()})
     for name, (key, params) in requests.items():
         single = solo(loaded, key, params)

@@ -1,21 +1,16 @@
-"""worker/forward.py on the real default model (int8): a decode step and a prefill block in one pass give
-each the logits and the cache entries of its own forward through transformers, bit for bit."""
+"""worker/forward.py on the real default model as a worker loads it (the GGUF file's blocks where the compiled
+kernels build, else int8): a decode step and a prefill block in one pass give each the logits and the cache
+entries of its own forward through transformers, bit for bit; so do several blocks in one forward."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from common.settings import Settings
 from worker.cache import new_cache
 from worker.forward import Part, causal_mask, forward_parts
-from worker.model import LoadedModel, load_model
+from worker.model import LoadedModel
 from worker.quant import takes_blocks_together
-
-
-@pytest.fixture(scope="module")
-def loaded() -> LoadedModel:
-    return load_model(Settings(worker_threads=1))
 
 
 def ids(loaded: LoadedModel, text: str, n: int) -> torch.Tensor:

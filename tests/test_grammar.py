@@ -12,10 +12,10 @@ import pytest
 
 from common import grammar
 from common.protocol import SamplingParams
-from common.settings import Settings
+from tests.conftest import run_engine
 from worker.core import GrammarError
 from worker.engine import Engine
-from worker.model import LoadedModel, load_model
+from worker.model import LoadedModel
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0, "maximum": 130},
@@ -27,11 +27,6 @@ ASK = [{"role": "user", "content": "Describe a person who lives in Paris as JSON
 FREE = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def loaded() -> LoadedModel:
-    return load_model(Settings(worker_threads=1))
-
-
 def constrained(schema: dict, **fields: object) -> SamplingParams:
     return SamplingParams(**{"max_tokens": 120, "temperature": 0, **fields},
                           grammar=grammar.checked(grammar.json_schema(schema)))
@@ -40,14 +35,10 @@ def constrained(schema: dict, **fields: object) -> SamplingParams:
 def run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]],
         resume: dict[str, list[int]] | None = None) -> dict[str, tuple[list[int], str, str | None]]:
     """Each request's tokens, text and finish reason (or error)."""
-    for key, (ids, params) in requests.items():
-        engine.add(key, ids, params, (resume or {}).get(key))
-    out: dict[str, tuple[list[int], str, str | None]] = {key: ([], "", None) for key in requests}
-    while engine.has_work():
-        for o in engine.step().outputs:
-            tokens, text, _ = out[o.request_id]
-            out[o.request_id] = ([*tokens, o.token_id], text + o.text, o.error or o.finish_reason)
-    return out
+    outputs = run_engine(engine, {0: [(key, ids, params, (resume or {}).get(key))
+                                      for key, (ids, params) in requests.items()]})
+    return {key: ([o.token_id for o in outs], "".join(o.text for o in outs), outs[-1].error or outs[-1].finish_reason)
+            for key, outs in outputs.items()}
 
 
 def test_a_constrained_answer_keeps_to_its_schema_and_ends_with_it(loaded: LoadedModel) -> None:

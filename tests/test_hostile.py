@@ -20,8 +20,8 @@ from starlette.testclient import TestClient
 
 from common.settings import Settings
 from gateway.app import create_app
-from llmserve.launcher import PrivateStack, free_port, private_stack
-from tests.conftest import RunningStack
+from llmserve.launcher import PrivateStack
+from tests.conftest import RunningStack, sim_stack
 from tests.test_stack import heartbeats
 
 SIM_MODEL = "sim"
@@ -34,10 +34,7 @@ ROUTES = ("/generate", "/generate_stream", "/v1/completions", "/v1/chat/completi
 
 @pytest.fixture(scope="module")
 def sim() -> Iterator[PrivateStack]:
-    settings = {"ENGINE": "sim", "SIM_STEP_MS": "1", "SIM_STEP_PER_SEQ_MS": "0", "WORKER_SLOTS": "64",
-                "NAMESPACE": "hostile", "HEARTBEAT_INTERVAL": "0.3", "WORKER_TTL": "2", "LOG_LEVEL": "WARNING",
-                "SCHEDULER_METRICS_PORT": str(free_port()), "WORKER_METRICS_PORT": str(free_port())}
-    with private_stack(1, **settings) as running:
+    with sim_stack(1, SIM_STEP_MS="1", SIM_STEP_PER_SEQ_MS="0", WORKER_SLOTS="64", NAMESPACE="hostile") as running:
         yield running
 
 

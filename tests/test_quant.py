@@ -11,6 +11,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from common.protocol import SamplingParams
 from common.settings import Settings
+from tests.conftest import run_engine
 from worker.engine import Engine, left_padded
 from worker.model import LoadedModel, load_model
 from worker.quant import ROWWISE_ATTENTION, Int8Linear, Int8LlamaLayer, quantize_int8
@@ -20,8 +21,8 @@ QUESTIONS = ["What is the capital of France?", "Write a Python function that add
 
 
 @pytest.fixture(scope="module")
-def loaded() -> LoadedModel:
-    return load_model(Settings(worker_threads=1, worker_quant="int8"))
+def loaded(int8_loaded: LoadedModel) -> LoadedModel:
+    return int8_loaded
 
 
 def chat(loaded: LoadedModel, question: str) -> list[int]:
@@ -146,14 +147,8 @@ def test_greedy_completions_through_the_engine_do_not_depend_on_batch_mates(load
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
     def complete(prompts: dict[str, list[int]]) -> dict[str, list[int]]:
-        engine = Engine(loaded, 16)
-        for key, prompt in prompts.items():
-            engine.add(key, prompt, params)
-        tokens: dict[str, list[int]] = {}
-        while engine.has_work():
-            for out in engine.step().outputs:
-                tokens.setdefault(out.request_id, []).append(out.token_id)
-        return tokens
+        outputs = run_engine(Engine(loaded, 16), {0: [(key, prompt, params) for key, prompt in prompts.items()]})
+        return {key: [out.token_id for out in outs] for key, outs in outputs.items()}
 
     prompts = dict(zip(QUESTIONS, shaped([chat(loaded, q) for q in QUESTIONS], lengths), strict=True))
     together = complete(prompts)
@@ -166,12 +161,8 @@ def test_a_migrated_request_continues_exactly_as_it_would_have(loaded: LoadedMod
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
     def complete(prompt: list[int], resume: list[int] | None = None) -> list[int]:
-        engine = Engine(loaded, 16)
-        engine.add("x", prompt, params, resume=resume)
-        tokens = list(resume or [])
-        while engine.has_work():
-            tokens += [out.token_id for out in engine.step().outputs]
-        return tokens
+        outputs = run_engine(Engine(loaded, 16), {0: [("x", prompt, params, resume)]})["x"]
+        return [*(resume or []), *(out.token_id for out in outputs)]
 
     for question in QUESTIONS:
         prompt = chat(loaded, question)

@@ -12,45 +12,38 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from llmserve.launcher import PrivateStack, private_stack, wait_until
-from tests.sse import events
+from llmserve.launcher import PrivateStack, wait_until
+from tests.conftest import sim_stack
+from tests.sse import Streamed, read
 
 TOKENS = 600  # 12 s at 20 ms a step: longer than Sentinel takes to demote the old primary
-SIM = {"ENGINE": "sim", "SIM_STEP_MS": "20", "HEARTBEAT_INTERVAL": "0.3", "WORKER_TTL": "2", "LOG_LEVEL": "ERROR"}
 
 
 @pytest.fixture(scope="module")
 def sentinel_stack() -> Iterator[PrivateStack]:
-    with private_stack(2, redis="sentinel", **SIM) as running:
+    with sim_stack(2, redis="sentinel", LOG_LEVEL="ERROR") as running:
         yield running
 
 
-def stream(url: str) -> tuple[str, list[int], dict]:
+def streams_through(running: PrivateStack, fault: Callable[[], object]) -> list[Streamed]:
+    """Six streams, `fault()` once each has its first tokens."""
+    streams = [Streamed() for _ in range(6)]
     body = {"prompt": "through a failover", "max_tokens": TOKENS, "ignore_eos": True}
-    with httpx.Client(base_url=url, timeout=60) as http, http.stream("POST", "/generate_stream", json=body) as response:
-        if response.status_code != 200:
-            return f"status {response.status_code}", [], {}
-        got = list(events(response))
-    return ("error" if got[-1].event == "error" else "done"), [e.data["index"] for e in got if "index" in e.data], \
-        got[-1].data
-
-
-def streams_through(running: PrivateStack, fault: Callable[[], object]) -> list[tuple[str, list[int], dict]]:
     with ThreadPoolExecutor(6) as pool:
-        started = [pool.submit(stream, running.url) for _ in range(6)]
-        time.sleep(1.5)
+        started = [pool.submit(read, running.url, "/generate_stream", body=body, timeout=60, into=s) for s in streams]
+        wait_until(lambda: all(len(s.events) >= 5 for s in streams), 30, "every stream under way", 0.05)
         fault()
         return [s.result() for s in started]
 
 
-def check_each_ended_whole_or_clearly(ended: list[tuple[str, list[int], dict]]) -> None:
-    for how, indexes, last in ended:
-        assert indexes == list(range(len(indexes))), "a gap or a repeat"
-        if how == "done":
-            assert len(indexes) == TOKENS and last["finish_reason"] == "length"
+def check_each_ended_whole_or_clearly(ended: list[Streamed]) -> None:
+    for got in ended:
+        assert got.indexes == list(range(len(got.indexes))), "a gap or a repeat"
+        if got.ended == "done":
+            assert len(got.indexes) == TOKENS and got.final["finish_reason"] == "length"
         else:
-            assert how == "error" and last["error"]["code"] == "redis_unavailable", (how, last)
-    print("outcomes:", sorted(how for how, _, _ in ended))
+            assert got.ended == "error" and got.final["error"]["code"] == "redis_unavailable", (got.ended, got.final)
+    print("outcomes:", sorted(got.ended for got in ended))
 
 
 def serves(url: str) -> bool:
@@ -84,7 +77,7 @@ def test_the_primary_killed_mid_stream(sentinel_stack: PrivateStack) -> None:
     started = time.monotonic()
     ended = streams_through(sentinel_stack, kill)
     print(f"primary kill -9: streams ended within {time.monotonic() - started:.1f} s")
-    assert [how for how, _, _ in ended] == ["error"] * 6  # its data is gone with it
+    assert [got.ended for got in ended] == ["error"] * 6  # its data is gone with it
     check_each_ended_whole_or_clearly(ended)
     wait_until(lambda: group.primary_port() != primary, 30, "Sentinel to promote the replica")
     wait_until(lambda: serves(sentinel_stack.url), 30, "the stack to serve on the new primary", 0.2)

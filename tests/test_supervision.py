@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -24,7 +24,7 @@ import redis
 from common.protocol import Keys
 from llmserve.launcher import free_port, redis_reachable
 from llmserve.launcher import wait_until as wait_for
-from tests.sse import Event, events
+from tests.sse import Streamed, read
 
 NS = "supervise"
 KEYS = Keys(NS)
@@ -128,30 +128,9 @@ def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher]:
         stop(process)
 
 
-@dataclass
-class Streamed:
-    """One stream as its client saw it."""
-
-    request_id: str = ""
-    events: list[Event] = field(default_factory=list)
-
-    @property
-    def tokens(self) -> list[dict]:
-        return [e.data for e in self.events if "index" in e.data]
-
-    @property
-    def text(self) -> str:
-        return "".join(t["token"] for t in self.tokens)
-
-
 def stream_into(url: str, prompt: str, into: Streamed) -> None:
     body = {"prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
-    with httpx.Client(base_url=url, timeout=300) as client, \
-            client.stream("POST", "/generate_stream", json=body) as response:
-        assert response.status_code == 200
-        into.request_id = response.headers["x-request-id"]
-        for event in events(response):
-            into.events.append(event)
+    read(url, "/generate_stream", body=body, timeout=300, into=into)
 
 
 def start_streams(url: str) -> tuple[list[Streamed], list[threading.Thread]]:
@@ -238,8 +217,10 @@ def test_a_killed_embedded_redis_is_restarted_and_the_stack_serves_again(launche
 
 def test_nothing_outlives_a_launcher_killed_by_kill_9(launcher: Launcher) -> None:
     """Last in this module: it ends the module's launcher."""
+    services = psutil.Process(launcher.process.pid).children()
+    assert {c.name() for c in services} >= {"redis-server"} and len(services) == 5
+    # And theirs (the gateway's grammar sandbox, common/sandbox.py): nothing of the tree may outlive it.
     children = psutil.Process(launcher.process.pid).children(recursive=True)
-    assert {c.name() for c in children} >= {"redis-server"} and len(children) == 5
     launcher.process.kill()
     launcher.process.wait()
     try:

@@ -18,8 +18,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from common.settings import SettingsError
 from common.tracing import Tracing
-from llmserve.launcher import PrivateStack, free_port, private_stack
-from tests.conftest import RunningStack
+from llmserve.launcher import PrivateStack, free_port
+from tests.conftest import RunningStack, sim_stack
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -54,10 +54,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
 def traced() -> Iterator[tuple[PrivateStack, Receiver]]:
     receiver = Receiver()
     threading.Thread(target=receiver.serve_forever, daemon=True).start()
-    settings = {"ENGINE": "sim", "SIM_STEP_MS": "5", "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:"
-                f"{receiver.server_address[1]}", "OTEL_BSP_SCHEDULE_DELAY": "100", "NAMESPACE": "traced"}
+    settings = {"SIM_STEP_MS": "5", "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.server_address[1]}",
+                "OTEL_BSP_SCHEDULE_DELAY": "100", "NAMESPACE": "traced"}
     try:
-        with private_stack(1, **settings) as stack:
+        with sim_stack(1, **settings) as stack:
             yield stack, receiver
     finally:
         receiver.shutdown()
