@@ -1,6 +1,6 @@
-"""SIGTERM to a worker: with room on the others it hands its streams over and exits within about a step
-(DRAIN_MODE=auto); without room, or with DRAIN_MODE=finish, it finishes them first. ENGINE=sim workers,
-so the times are the control plane's; tests/test_faults.py checks the texts on the real model."""
+"""SIGTERM to a worker: with room on the others it hands its streams over and exits while they go on elsewhere
+(DRAIN_MODE=auto); without room, or with DRAIN_MODE=finish, it finishes them first. ENGINE=sim workers, so the
+times are the control plane's; tests/test_faults.py checks the texts on the real model."""
 
 from __future__ import annotations
 
@@ -8,88 +8,118 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 
 import httpx
 import pytest
 import redis
 
 from common.protocol import Keys
-from llmserve.launcher import PrivateStack, private_stack
-from llmserve.launcher import wait_until as wait_for
-from tests.sse import events
+from tests.conftest import dispatched_to, sim_stack, wait_for, workers_of
+from tests.sse import Streamed, read
 from worker.sim import VOCAB, sim_token
 
 STREAMS = 8
 TOKENS = 60
-SETTINGS = {"ENGINE": "sim", "SIM_STEP_MS": "50", "HEARTBEAT_INTERVAL": "0.3", "WORKER_TTL": "2",
-            "LOG_LEVEL": "WARNING"}
+KEYS = Keys("llmserve")
+SETTINGS = {"SIM_STEP_MS": "50"}
 
 
-def stream(url: str, out: list[tuple[list[int], str, dict]]) -> None:
-    with httpx.Client(base_url=url, timeout=120) as client, client.stream(
-            "POST", "/generate_stream", json={"prompt": "one two", "max_tokens": TOKENS}) as response:
-        indexes, text, final = [], "", {}
-        for event in events(response):
-            if "index" in event.data:
-                indexes.append(event.data["index"])
-                text += event.data["token"]
-            else:
-                final = event.data
-    out.append((indexes, text, final))
+@dataclass
+class Drained:
+    worker_id: str  # the worker that was sent SIGTERM
+    other: str
+    held: set[str]  # the request ids it ran then
+    exit_s: float  # from SIGTERM to its exit
+    streams: list[Streamed]
+    workers: dict[str, list[str]]  # each stream's workers, in the order it was dispatched to them
+    finished_on: dict[str, list[str]]  # the worker each stream finished on
 
 
-def busiest_worker(running: PrivateStack) -> int:
-    r = redis.Redis.from_url(running.redis_url)
-    keys = Keys("llmserve")
-    held = {w.decode(): r.hlen(keys.assigned(w.decode())) for w in r.smembers(keys.workers)}
-    worker_id = max(held, key=held.__getitem__)
-    assert held[worker_id] > 0
-    return int(worker_id.split("-")[-2])
+def start_streams(url: str, count: int) -> tuple[list[Streamed], list[threading.Thread]]:
+    streams = [Streamed() for _ in range(count)]
+    threads = [threading.Thread(target=read, args=(url, "/generate_stream"),
+                                kwargs={"body": {"prompt": "one two", "max_tokens": TOKENS}, "into": s})
+               for s in streams]
+    for thread in threads:
+        thread.start()
+    return streams, threads
 
 
-def drain_one(mode: str) -> tuple[float, list[tuple[list[int], str, dict]]]:
-    """Start the streams, SIGTERM the busiest worker once they run; returns its exit time and the streams."""
-    with private_stack(2, **SETTINGS, DRAIN_MODE=mode) as running:
-        results: list[tuple[list[int], str, dict]] = []
-        threads = [threading.Thread(target=stream, args=(running.url, results)) for _ in range(STREAMS)]
-        for thread in threads:
-            thread.start()
-        time.sleep(1.0)  # every stream is running, about 20 tokens in
-        pid = busiest_worker(running)
-        process = next(p for _, p in running.stack.processes if p.pid == pid)
+def join(threads: list[threading.Thread]) -> None:
+    for thread in threads:
+        thread.join(120)
+        assert not thread.is_alive(), "a stream hung"
+
+
+def drain_one(mode: str) -> Drained:
+    """Start the streams on two workers, SIGTERM the busier once each of its streams has a few tokens out."""
+    with sim_stack(2, **SETTINGS, DRAIN_MODE=mode) as running:
+        r = redis.Redis.from_url(running.redis_url)
+        streams, threads = start_streams(running.url, STREAMS)
+
+        def all_running() -> dict[str, set[str]] | None:
+            held = {w.decode(): {rid.decode() for rid in r.hkeys(KEYS.assigned(w.decode()))}
+                    for w in r.smembers(KEYS.workers)}
+            return held if len(held) == 2 and sum(map(len, held.values())) == STREAMS else None
+
+        held = wait_for(all_running, 30, "every stream running on the two workers", 0.05)
+        worker_id = max(held, key=lambda w: len(held[w]))
+        [other] = set(held) - {worker_id}
+        wait_for(lambda: all(r.llen(KEYS.progress(rid)) >= 3 for rid in held[worker_id]), 30,
+                 "a few tokens of each of its streams", 0.05)
+        process = next(p for _, p in running.stack.processes if p.pid == int(worker_id.split("-")[-2]))
         sent = time.monotonic()
-        os.kill(pid, signal.SIGTERM)
-        process.wait(60)
-        exit_s = time.monotonic() - sent
-        for thread in threads:
-            thread.join(120)
-        return exit_s, results
+        os.kill(process.pid, signal.SIGTERM)
+        assert process.wait(60) == 0
+        exited = time.monotonic()
+        join(threads)
+        workers = {got.request_id: dispatched_to(running.url, got.request_id) for got in streams}
+        finished_on = {got.request_id: workers_of(running.url, got.request_id, "finished") for got in streams}
+        return Drained(worker_id, other, held[worker_id], exited - sent, streams, workers, finished_on)
+
+
+@pytest.fixture(scope="module")
+def drained() -> dict[str, Drained]:
+    return {mode: drain_one(mode) for mode in ("auto", "finish")}
 
 
 @pytest.mark.parametrize("mode", ["auto", "finish"])
-def test_a_drained_workers_streams_end_whole(mode: str) -> None:
-    exit_s, results = drain_one(mode)
-    print(f"DRAIN_MODE={mode}: worker exited {exit_s:.2f} s after SIGTERM with {STREAMS} streams on 2 workers")
+def test_a_drained_workers_streams_end_whole(drained: dict[str, Drained], mode: str) -> None:
+    run = drained[mode]
+    print(f"DRAIN_MODE={mode}: worker exited {run.exit_s:.2f} s after SIGTERM with {STREAMS} streams on 2 workers")
     expected = "".join(VOCAB[sim_token(2 + i)] for i in range(TOKENS))
-    assert len(results) == STREAMS
-    for indexes, text, final in results:
-        assert indexes == list(range(TOKENS)) and text == expected and final["completion_tokens"] == TOKENS
-    if mode == "auto":
-        assert exit_s < 1.5  # about a step: it hands over rather than finishing ~40 more tokens (2 s)
-    else:
-        assert exit_s > 1.5
+    assert len(run.streams) == STREAMS
+    for got in run.streams:
+        assert got.indexes == list(range(TOKENS)) and got.text == expected
+        assert got.final["completion_tokens"] == TOKENS
+    assert run.held
+
+
+def test_auto_hands_the_streams_to_the_other_worker_which_finishes_them(drained: dict[str, Drained]) -> None:
+    run = drained["auto"]
+    for got in run.streams:
+        moved = got.request_id in run.held
+        assert run.workers[got.request_id] == ([run.worker_id, run.other] if moved else [run.other])
+        assert run.finished_on[got.request_id] == [run.other]
+
+
+def test_finish_keeps_the_streams_on_their_worker_until_they_end(drained: dict[str, Drained]) -> None:
+    run = drained["finish"]
+    for got in run.streams:
+        stayed = run.worker_id if got.request_id in run.held else run.other
+        assert run.workers[got.request_id] == run.finished_on[got.request_id] == [stayed]
+    # Handing over is the quicker way out: auto leaves before finish would have.
+    assert drained["auto"].exit_s < run.exit_s
 
 
 def test_with_no_room_elsewhere_a_worker_finishes_what_it_runs() -> None:
-    with private_stack(1, **SETTINGS) as running:
-        results: list[tuple[list[int], str, dict]] = []
-        threads = [threading.Thread(target=stream, args=(running.url, results)) for _ in range(2)]
-        for thread in threads:
-            thread.start()
+    with sim_stack(1, **SETTINGS) as running:
+        streams, threads = start_streams(running.url, 2)
         wait_for(lambda: httpx.get(f"{running.url}/health").json()["running"] == 2, 10, "both running", 0.1)
         [(_, worker)] = [(n, p) for n, p in running.stack.processes if n == "worker"]
         os.kill(worker.pid, signal.SIGTERM)
         assert worker.wait(30) == 0
-        for thread in threads:
-            thread.join(30)
-        assert [len(indexes) for indexes, _, _ in results] == [TOKENS, TOKENS]
+        join(threads)
+        assert [len(got.indexes) for got in streams] == [TOKENS, TOKENS]
+        assert all(len(dispatched_to(running.url, got.request_id)) == 1 for got in streams)  # none handed over

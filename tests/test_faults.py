@@ -19,8 +19,8 @@ from common.settings import Settings
 from llmserve.launcher import PrivateStack, Stack, free_port, private_stack
 from llmserve.launcher import wait_until as wait_for
 from scheduler.main import Scheduler
-from tests.conftest import responds
-from tests.sse import events
+from tests.conftest import dispatched_to, responds, workers_of
+from tests.sse import Streamed, read
 
 NS = "chaos"
 KEYS = Keys(NS)
@@ -64,25 +64,19 @@ def reference(running: PrivateStack) -> str:
     return httpx.post(f"{running.url}/generate", json=LONG, timeout=120).json()["text"]
 
 
-def stream_with_fault(running: PrivateStack, fault_at: int, fault) -> tuple[list[int], str, dict, float]:
-    """Stream LONG, call `fault(request_id)` once token `fault_at` arrived; returns the indexes, the text,
-    the final event and the seconds from the fault to the next token."""
-    indexes, text, final, faulted_at, gap = [], "", {}, 0.0, 0.0
-    with httpx.Client(base_url=running.url, timeout=120) as client, \
-            client.stream("POST", "/generate_stream", json=LONG) as response:
-        request_id = response.headers["x-request-id"]
-        for event in events(response):
-            if "index" not in event.data:
-                final = event.data
-                continue
-            if faulted_at and not gap:
-                gap = time.monotonic() - faulted_at
-            indexes.append(event.data["index"])
-            text += event.data["token"]
-            if event.data["index"] == fault_at:
-                fault(request_id)
-                faulted_at = time.monotonic()
-    return indexes, text, final, gap
+def stream_with_fault(running: PrivateStack, fault_at: int, fault) -> tuple[Streamed, float]:
+    """Stream LONG, call `fault(request_id)` once token `fault_at` arrived; returns the stream and the seconds from
+    the fault to the next event."""
+    faulted: list[float] = []
+
+    def on_token(request_id: str, index: int) -> None:
+        if index == fault_at:
+            fault(request_id)
+            faulted.append(time.monotonic())
+
+    got = read(running.url, "/generate_stream", body=LONG, on_token=on_token)
+    after = [at - faulted[0] for at in got.arrived if faulted and at > faulted[0]]
+    return got, (after[0] if after else 0.0)
 
 
 def test_a_killed_workers_stream_continues_on_another_without_loss_or_duplicate(chaos: PrivateStack) -> None:
@@ -91,38 +85,45 @@ def test_a_killed_workers_stream_continues_on_another_without_loss_or_duplicate(
     def kill(request_id: str) -> None:
         os.kill(pid_of(worker_running(chaos, request_id)), signal.SIGKILL)
 
-    indexes, text, final, gap = stream_with_fault(chaos, 8, kill)
-    assert indexes == list(range(40))
-    assert text == expected
-    assert final["finish_reason"] == "length" and final["completion_tokens"] == 40
+    got, gap = stream_with_fault(chaos, 8, kill)
+    assert got.indexes == list(range(40))
+    assert got.text == expected
+    assert got.final["finish_reason"] == "length" and got.final["completion_tokens"] == 40
     print(f"worker kill -9: first token after the fault in {gap:.2f} s")
     restore_workers(chaos)
 
 
 def test_sigterm_hands_eight_greedy_streams_to_the_other_worker(chaos: PrivateStack) -> None:
-    """DRAIN_MODE=auto with room on the other worker: the drained worker leaves within about a step and
-    every stream ends whole, its text equal to an unbroken run."""
+    """DRAIN_MODE=auto with room on the other worker: the drained worker hands its streams over (each one's trace
+    shows a second dispatch, to the other worker, which finishes it) and exits; every stream ends whole, its text
+    equal to an unbroken run."""
     expected = reference(chaos)
+    r = client_of(chaos)
     with ThreadPoolExecutor(8) as pool:
         streams = [pool.submit(stream_with_fault, chaos, 10_000, lambda _rid: None) for _ in range(8)]
-        r = client_of(chaos)
 
         def busiest() -> str | None:
             held = {w.decode(): r.hlen(KEYS.assigned(w.decode())) for w in r.smembers(KEYS.workers)}
             return max(held, key=held.__getitem__) if len(held) == 2 and sum(held.values()) == 8 else None
 
         worker_id = wait_for(busiest, 60, "eight streams on two workers")
-        time.sleep(2)  # a few tokens out
+        [other] = {w.decode() for w in r.smembers(KEYS.workers)} - {worker_id}
+        held = {rid.decode() for rid in r.hkeys(KEYS.assigned(worker_id))}
+        wait_for(lambda: all(r.llen(KEYS.progress(rid)) >= 3 for rid in held), 60, "a few tokens of each stream")
         process = next(p for _, p in chaos.stack.processes if p.pid == pid_of(worker_id))
         sent = time.monotonic()
         process.send_signal(signal.SIGTERM)
         assert process.wait(30) == 0
-        exit_s = time.monotonic() - sent
-        results = [s.result() for s in streams]
-    print(f"SIGTERM with 8 streams: the worker exited {exit_s:.2f} s later")
-    for indexes, text, final, _ in results:
-        assert indexes == list(range(40)) and text == expected and final["completion_tokens"] == 40
-    assert exit_s < 5
+        print(f"SIGTERM with 8 streams: the worker exited {time.monotonic() - sent:.2f} s later")
+        results = [s.result()[0] for s in streams]
+    for got in results:
+        assert got.indexes == list(range(40)) and got.text == expected and got.final["completion_tokens"] == 40
+    handed = [got for got in results if got.request_id in held]
+    assert len(handed) == len(held) > 0
+    for got in results:
+        moved = got.request_id in held
+        assert dispatched_to(chaos.url, got.request_id) == ([worker_id, other] if moved else [other])
+        assert workers_of(chaos.url, got.request_id, "finished") == [other]
     restore_workers(chaos)
 
 
@@ -140,9 +141,9 @@ def test_the_scheduler_restarts_under_load_and_nothing_is_lost(chaos: PrivateSta
         later = [pool.submit(lambda: httpx.post(f"{chaos.url}/generate", json=LONG, timeout=120)) for _ in range(3)]
         time.sleep(1)
         chaos.stack.spawn("scheduler")
-        indexes, text, _, _ = running.result()
+        got, _ = running.result()
         answers = [f.result() for f in later]
-    assert indexes == list(range(40)) and text == expected
+    assert got.indexes == list(range(40)) and got.text == expected
     assert [a.status_code for a in answers] == [200, 200, 200]
     assert all(a.json()["text"] == expected for a in answers)
     r = client_of(chaos)
@@ -178,22 +179,14 @@ def test_a_standby_scheduler_takes_over_queued_requests(chaos: PrivateStack) -> 
 
 
 def test_redis_restart_fails_in_flight_requests_clearly_and_service_resumes(chaos: PrivateStack) -> None:
-    seen: list[str] = []
     alive = [process for _, process in chaos.stack.processes if process.poll() is None]
-
-    def stop_redis(_request_id: str) -> None:
-        chaos.stop_redis()
-
-    with httpx.Client(base_url=chaos.url, timeout=60) as client, \
-            client.stream("POST", "/generate_stream", json=LONG) as response:
-        for event in events(response):
-            seen.append(event.event or "token")
-            if event.data.get("index") == 3:
-                stop_redis("")
-    assert seen[-1] == "error"
+    got, _ = stream_with_fault(chaos, 3, lambda _rid: chaos.stop_redis())
+    assert got.ended == "error" and got.final["error"]["code"] == "redis_unavailable", got.final
+    assert got.indexes == list(range(len(got.indexes))) and got.indexes[-1] >= 3
     health = httpx.get(f"{chaos.url}/health")
     assert health.status_code == 503 and health.json()["redis"] is False
-    assert httpx.post(f"{chaos.url}/generate", json=LONG, timeout=30).status_code == 503
+    refused = httpx.post(f"{chaos.url}/generate", json=LONG, timeout=30)
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "redis_unavailable"
     chaos.start_redis()
     started = time.monotonic()
 
