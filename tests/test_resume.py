@@ -14,7 +14,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -27,13 +26,16 @@ from common.resultlog import LOG_HEAD, publish_results
 from common.settings import Settings
 from gateway.errors import ApiError
 from gateway.sse import format_id, parse_id
-from llmserve.launcher import PrivateStack, free_port, free_ports, private_stack, start_redis
-from tests.conftest import RunningStack, wait_for
+from llmserve.launcher import PrivateStack, free_port, free_ports, start_redis
+from tests.conftest import RunningStack, sim_stack, trace, wait_for
+from tests.sse import Event, Streamed, read
+from tests.sse import events as sse_events
 from worker.sim import VOCAB, SimModel, sim_token
 
 ALPHA = {"Authorization": "Bearer alpha"}
 BETA = {"Authorization": "Bearer beta"}
 GRACE = 1.5
+LEASE_INTERVAL = GRACE / 4  # how often a gateway extends the lease of a stream one of its clients reads
 TTL = 6.0
 NAMESPACE = "resume"
 SETTINGS = {"ENGINE": "sim", "SIM_STEP_MS": "10", "SIM_STEP_PER_SEQ_MS": "0", "WORKER_SLOTS": "32",
@@ -44,66 +46,11 @@ SETTINGS = {"ENGINE": "sim", "SIM_STEP_MS": "10", "SIM_STEP_PER_SEQ_MS": "0", "W
 @pytest.fixture(scope="module")
 def sim() -> Iterator[PrivateStack]:
     """Two gateways (consecutive ports) on one Redis, a scheduler, one sim worker."""
-    settings = {**SETTINGS, "SCHEDULER_METRICS_PORT": str(free_port()), "WORKER_METRICS_PORT": str(free_port())}
-    with private_stack(1, gateways=2, **settings) as running:
+    with sim_stack(1, gateways=2, **SETTINGS) as running:
         yield running
 
 
-@dataclass
-class Event:
-    id: str | None
-    event: str | None
-    data: str
-    retry: int | None = None
-
-    def json(self) -> dict:
-        return json.loads(self.data)
-
-
-@dataclass
-class Read:
-    """What one connection got: its status, headers, events, and whether it saw the stream's end."""
-
-    status: int
-    headers: httpx.Headers
-    events: list[Event] = field(default_factory=list)
-    body: bytes = b""
-
-
-def sse_events(response: httpx.Response) -> Iterator[Event]:
-    event, event_id, data, retry = None, None, [], None
-    for line in response.iter_lines():
-        if not line:
-            if data:
-                yield Event(event_id, event, "\n".join(data), retry)
-            event, event_id, data, retry = None, None, [], None
-        elif line.startswith("data:"):
-            data.append(line[5:].strip())
-        elif line.startswith("id:"):
-            event_id = line[3:].strip()
-        elif line.startswith("event:"):
-            event = line[6:].strip()
-        elif line.startswith("retry:"):
-            retry = int(line[6:].strip())
-
-
-def read(url: str, path: str, method: str = "GET", body: dict | None = None, headers: dict | None = None,
-         upto: int | None = None) -> Read:
-    """Read a stream; with `upto`, drop the connection after that many events."""
-    with httpx.Client(timeout=60) as client, client.stream(method, f"{url}{path}", json=body,
-                                                           headers=headers) as response:
-        got = Read(response.status_code, response.headers)
-        if response.status_code != 200 or not response.headers["content-type"].startswith("text/event-stream"):
-            got.body = response.read()
-            return got
-        for event in sse_events(response):
-            got.events.append(event)
-            if upto is not None and len(got.events) >= upto:
-                break
-    return got
-
-
-def resume(url: str, request_id: str, last_id: str | None, headers: dict = ALPHA, upto: int | None = None) -> Read:
+def resume(url: str, request_id: str, last_id: str | None, headers: dict = ALPHA, upto: int | None = None) -> Streamed:
     extra = {"Last-Event-ID": last_id} if last_id is not None else {}
     return read(url, f"/v1/requests/{request_id}/stream", headers={**headers, **extra}, upto=upto)
 
@@ -122,8 +69,32 @@ def running(stack: PrivateStack) -> int:
     return sum(beat.running for beat in beats)
 
 
+def lease_key(stack: PrivateStack) -> str:
+    return Keys(stack.stack.env["NAMESPACE"]).leases
+
+
+def redis_ms(r: redis.Redis) -> float:
+    """Redis's clock, in which leases lapse."""
+    seconds, micros = r.time()
+    return seconds * 1000 + micros / 1000
+
+
+def let_go(stack: PrivateStack, request_id: str) -> float:
+    """The deadline (Redis's clock, ms) of the stream's lease once no gateway extends it any more: its last
+    extension is older than the interval at which a gateway holding it extends it."""
+    r = sync_client(stack.redis_url)
+
+    def lapsing() -> float | None:
+        deadline = r.zscore(lease_key(stack), request_id)
+        if deadline is None or redis_ms(r) < deadline - (GRACE - LEASE_INTERVAL) * 1000:
+            return None
+        return deadline
+
+    return wait_for(lapsing, 10, "the stream's lease to be left to lapse", interval=0.02)
+
+
 def seed_tokens(events: list[Event]) -> list[dict]:
-    return [e.json() for e in events if e.event is None and "token" in e.json()]
+    return [e.data for e in events if e.event is None and "token" in e.data]
 
 
 def test_a_seed_stream_resumes_on_the_other_gateway_with_every_token_once(sim: PrivateStack) -> None:
@@ -139,7 +110,7 @@ def test_a_seed_stream_resumes_on_the_other_gateway_with_every_token_once(sim: P
     assert [t["index"] for t in tokens] == list(range(60))  # contiguous across the break: none lost, none twice
     assert "".join(t["token"] for t in tokens) == sim_text(body["prompt"], 60)
     end = rest.events[-1]
-    assert end.id == "60" and end.json()["finish_reason"] == "length" and end.json()["completion_tokens"] == 60
+    assert end.id == "60" and end.data["finish_reason"] == "length" and end.data["completion_tokens"] == 60
     # The end delivered, there is nothing left: 204, which also stops an EventSource.
     assert resume(second, rid, end.id).status == 204
     # A finished stream replays whole, on either gateway, without Last-Event-ID.
@@ -158,15 +129,15 @@ def test_openai_streams_resume_exactly_with_one_id_for_every_choice(sim: Private
     whole = httpx.post(f"{first}{path}", json={**body, "stream": False}, headers=ALPHA, timeout=60).json()
     expected = [c["message"]["content"] if "chat" in path else c["text"] for c in whole["choices"]]
     broken = read(first, path, "POST", body, ALPHA, upto=9)
-    answer_id = broken.events[0].json()["id"]
+    answer_id = broken.events[0].data["id"]
     assert answer_id.startswith(prefix) and broken.events[0].retry
     assert all(e.id and len(e.id.split(".")) == n for e in broken.events)
     # The answer's id in the URL, and the position as a query parameter this time (no header).
     rest = read(second, f"/v1/requests/{answer_id}/stream?last_event_id={broken.events[-1].id}", headers=ALPHA)
     assert rest.status == 200
     events = broken.events + rest.events
-    assert events[-1].data == "[DONE]" and events[-1].id == "done"
-    chunks = [e.json() for e in events[:-1]]
+    assert events[-1].done and events[-1].id == "done"
+    chunks = [e.data for e in events[:-1]]
     assert chunks[-1]["usage"]["completion_tokens"] == 40 * n and chunks[-1]["choices"] == []
     texts, roles, finishes = [""] * n, [0] * n, [0] * n
     for chunk in chunks[:-1]:
@@ -211,7 +182,7 @@ def test_an_event_source_reconnects_with_no_code_of_ours(sim: PrivateStack) -> N
     tokens = seed_tokens(seen)
     assert [t["index"] for t in tokens] == list(range(50))
     assert "".join(t["token"] for t in tokens) == sim_text("event source", 50)
-    assert seen[-1].json()["finish_reason"] == "length"
+    assert seen[-1].data["finish_reason"] == "length"
 
 
 def test_only_the_key_that_created_a_stream_may_resume_it(sim: PrivateStack) -> None:
@@ -228,7 +199,7 @@ def test_only_the_key_that_created_a_stream_may_resume_it(sim: PrivateStack) -> 
     header = sync_client(sim.redis_url).lindex(Keys(NAMESPACE).log(rid), LOG_HEAD - 1)
     assert resume(first, decode(header, StreamMeta, 1 << 20).request_ids[1], None).status == 404
     rest = resume(second, rid, broken.events[-1].id)
-    assert rest.status == 200 and rest.events[-1].data == "[DONE]"
+    assert rest.status == 200 and rest.events[-1].done
     bad = resume(second, rid, "3")  # one position for two choices
     assert bad.status == 400 and json.loads(bad.body)["error"]["param"] == "Last-Event-ID"
 
@@ -236,7 +207,7 @@ def test_only_the_key_that_created_a_stream_may_resume_it(sim: PrivateStack) -> 
 def test_a_finished_stream_replays_until_its_ttl_ends(sim: PrivateStack) -> None:
     done = read(sim.urls[0], "/generate_stream", "POST", {"prompt": "short", "max_tokens": 5}, ALPHA)
     rid = done.headers["x-request-id"]
-    assert [e.data for e in resume(sim.urls[1], rid, None).events] == [e.data for e in done.events]
+    assert [e.raw for e in resume(sim.urls[1], rid, None).events] == [e.raw for e in done.events]
     time.sleep(TTL + 1)
     gone = resume(sim.urls[1], rid, None)
     assert gone.status == 404 and json.loads(gone.body)["error"]["code"] == "stream_not_found"
@@ -244,65 +215,68 @@ def test_a_finished_stream_replays_until_its_ttl_ends(sim: PrivateStack) -> None
 
 def test_a_stream_nobody_resumes_is_cancelled_after_the_grace(sim: PrivateStack) -> None:
     url = sim.urls[0]
+    r = sync_client(sim.redis_url)
     wait_for(lambda: running(sim) == 0, 20, "an idle worker")
     broken = read(url, "/generate_stream", "POST", {"prompt": "abandoned", "max_tokens": 5000}, ALPHA, upto=3)
     left = time.monotonic()
     rid = broken.headers["x-request-id"]
-    time.sleep(GRACE / 2)
-    assert running(sim) == 1, "the request must keep running during the grace period"
+    lapses_at = let_go(sim, rid)
+    assert running(sim) == 1 and redis_ms(r) < lapses_at, "the request must keep running during the grace period"
     wait_for(lambda: running(sim) == 0, GRACE + 10, "the abandoned request to be cancelled", interval=0.05)
     freed = time.monotonic() - left
     print(f"abandoned stream cancelled, its slot freed {freed:.2f} s after its client left (RESUME_GRACE={GRACE})")
-    assert freed >= GRACE - 0.3
+    assert redis_ms(r) >= lapses_at  # cancelled once its lease lapsed, not when its client left
     # Resuming it later still gives every token it made, then why it ended.
     rest = resume(sim.urls[1], rid, broken.events[-1].id)
     tokens = seed_tokens(rest.events)
     assert tokens and tokens[0]["index"] == 3
     assert [t["index"] for t in tokens] == list(range(3, 3 + len(tokens)))
-    assert rest.events[-1].event == "error" and rest.events[-1].json()["error"]["code"] == "cancelled"
+    assert rest.events[-1].event == "error" and rest.events[-1].data["error"]["code"] == "cancelled"
 
 
 def test_a_grace_of_zero_cancels_when_the_client_leaves() -> None:
     """RESUME_GRACE=0 keeps the behaviour from before resume: a disconnect cancels the request at once."""
-    settings = {**SETTINGS, "RESUME_GRACE": "0", "NAMESPACE": "resume-off",
-                "SCHEDULER_METRICS_PORT": str(free_port()), "WORKER_METRICS_PORT": str(free_port())}
-    with private_stack(1, **settings) as stack, httpx.Client(timeout=60) as client:
+    with sim_stack(1, **{**SETTINGS, "RESUME_GRACE": "0", "NAMESPACE": "resume-off"}) as stack, \
+            httpx.Client(timeout=60) as client:
         with client.stream("POST", f"{stack.urls[0]}/generate_stream", json={"prompt": "gone", "max_tokens": 5000},
                            headers=ALPHA) as response:
             events = sse_events(response)
             assert [next(events).id for _ in range(3)] == ["0", "1", "2"]
             wait_for(lambda: running(stack) == 1, 10, "the worker to report the request")
+            assert sync_client(stack.redis_url).zcard(lease_key(stack)) == 0  # no lease: nothing waits for it
+            rid = response.headers["x-request-id"]
         left = time.monotonic()
         wait_for(lambda: running(stack) == 0, 10, "the request to be cancelled", interval=0.05)
-        freed = time.monotonic() - left
-        print(f"RESUME_GRACE=0: slot freed {freed:.2f} s after the client left")
-        assert freed < GRACE - 0.3  # well before a grace period would have ended
+        print(f"RESUME_GRACE=0: slot freed {time.monotonic() - left:.2f} s after the client left")
+        hops = [e["hop"] for e in trace(stack.url, rid, ALPHA) if e["service"] == "gateway"]
+        assert "cancelled" in hops and "detached" not in hops  # cancelled as it left, not left to a grace
 
 
 def test_a_client_back_within_the_grace_keeps_its_request_and_delete_cancels_it(sim: PrivateStack) -> None:
     first, second = sim.urls
+    r = sync_client(sim.redis_url)
     wait_for(lambda: running(sim) == 0, 20, "an idle worker")
     broken = read(first, "/generate_stream", "POST", {"prompt": "kept", "max_tokens": 5000}, ALPHA, upto=3)
     rid = broken.headers["x-request-id"]
-    time.sleep(GRACE * 0.6)
+    lapses_at = let_go(sim, rid)  # left to lapse: back any time before it
     with httpx.Client(timeout=60) as client, client.stream(
             "GET", f"{second}/v1/requests/{rid}/stream", headers={**ALPHA, "Last-Event-ID": broken.events[-1].id}
     ) as response:
         events = sse_events(response)
-        reading_since = time.monotonic()
-        got = []
-        for event in events:
+        got = [next(events)]
+        assert (r.zscore(lease_key(sim), rid) or 0) > lapses_at, "the lease lapsed before the client came back"
+        for event in events:  # read on past the moment the lease would have lapsed without this client
             got.append(event)
-            if time.monotonic() - reading_since > GRACE * 2:
+            if redis_ms(r) > lapses_at + LEASE_INTERVAL * 1000:
                 break
-        assert running(sim) == 1, "a stream read again must outlive the grace period"
+        assert running(sim) == 1, "a stream read again must outlive its first lease"
         assert client.delete(f"{first}/v1/requests/{rid}", headers=BETA).status_code == 404
         assert client.delete(f"{first}/v1/requests/{rid}", headers=ALPHA).status_code == 204
         got += list(events)
     wait_for(lambda: running(sim) == 0, 5, "the cancelled request to leave the worker")
     tokens = seed_tokens(got)
     assert [t["index"] for t in tokens] == list(range(3, 3 + len(tokens)))
-    assert got[-1].event == "error" and got[-1].json()["error"]["code"] == "cancelled"
+    assert got[-1].event == "error" and got[-1].data["error"]["code"] == "cancelled"
 
 
 def test_a_log_trimmed_past_the_clients_position_is_a_410(sim: PrivateStack) -> None:
@@ -372,9 +346,7 @@ def test_a_gateway_killed_mid_stream_loses_its_clients_nothing() -> None:
     """kill -9 of the gateway holding two streams: one client reconnects to the other gateway and gets the
     rest; the other never comes back, and its request is cancelled once its lease lapses (nothing depends
     on the dead gateway)."""
-    settings = {**SETTINGS, "NAMESPACE": "killed", "SCHEDULER_METRICS_PORT": str(free_port()),
-                "WORKER_METRICS_PORT": str(free_port())}
-    with private_stack(1, gateways=2, **settings) as stack:
+    with sim_stack(1, gateways=2, **{**SETTINGS, "NAMESPACE": "killed"}) as stack:
         first, second = stack.urls
         port = first.rsplit(":", 1)[1]
         [gateway] = [process for index, (name, process) in enumerate(stack.stack.processes)
@@ -406,7 +378,7 @@ def test_a_gateway_killed_mid_stream_loses_its_clients_nothing() -> None:
         tokens = seed_tokens(received) + seed_tokens(rest)
         assert [t["index"] for t in tokens] == list(range(400))
         assert "".join(t["token"] for t in tokens) == sim_text(body["prompt"], 400)
-        assert rest[-1].json()["completion_tokens"] == 400
+        assert rest[-1].data["completion_tokens"] == 400
         print(f"kill -9 of the gateway: the next token came from the other {gap * 1000:.0f} ms after the kill; "
               f"the orphaned stream was cancelled {cancelled:.2f} s after it (RESUME_GRACE={GRACE})")
         assert cancelled >= GRACE - 0.5
@@ -466,4 +438,4 @@ def test_the_resumed_greedy_text_equals_an_unbroken_run(stack: RunningStack) -> 
         tokens = seed_tokens(broken.events) + seed_tokens(rest.events)
         assert [t["index"] for t in tokens] == list(range(40))
         assert "".join(t["token"] for t in tokens) == expected
-        assert rest.events[-1].json()["completion_tokens"] == 40
+        assert rest.events[-1].data["completion_tokens"] == 40

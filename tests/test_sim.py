@@ -11,7 +11,7 @@ import httpx
 import redis
 
 from common.protocol import Heartbeat, Keys, SamplingParams, Submit, decode
-from llmserve.launcher import private_stack
+from tests.conftest import sim_stack, wait_for
 from worker.sim import VOCAB, SimEngine, SimModel, sim_token
 
 
@@ -32,7 +32,7 @@ def test_the_sim_engine_batches_and_is_batch_invariant() -> None:
 
 
 def test_many_streams_over_four_sim_workers() -> None:
-    with private_stack(4, ENGINE="sim", SIM_STEP_MS="5", HEARTBEAT_INTERVAL="0.3", LOG_LEVEL="WARNING") as running:
+    with sim_stack(4, SIM_STEP_MS="5") as running:
         body = {"prompt": "hello there", "max_tokens": 20}
 
         def one(_: int) -> httpx.Response:
@@ -45,8 +45,15 @@ def test_many_streams_over_four_sim_workers() -> None:
         workers = httpx.get(f"{running.url}/v1/cluster").json()["workers"]
         assert len(workers) == 4 and all(w["model"] == "sim" for w in workers)
         r = redis.Redis.from_url(running.redis_url)
-        beats = [decode(r.get(Keys("llmserve").heartbeat(w["id"])), Heartbeat, 1 << 20) for w in workers]
-        assert all(beat.finished_total > 0 for beat in beats)  # the burst spread over every worker
+
+        def counted() -> list[int] | None:
+            """Each worker's finished requests, once their heartbeats (up to an interval behind) count the burst."""
+            counts = [decode(r.get(Keys("llmserve").heartbeat(w["id"])), Heartbeat, 1 << 20).finished_total
+                      for w in workers]
+            return counts if sum(counts) == 64 else None
+
+        counts = wait_for(counted, 10, "the heartbeats to count the burst")
+        assert all(counts), counts  # it spread over every worker
 
 
 def test_static_sim_batching_waits_for_the_whole_batch() -> None:
