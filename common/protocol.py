@@ -85,6 +85,8 @@ class Submit(msgspec.Struct, tag="submit"):
     tenant: str = ""
     # The W3C traceparent of the gateway's span (common/tracing.py), when tracing is on: each hop's span joins it.
     traceparent: str = ""
+    # The model the client named: only a worker that answers to it runs the request ('': any worker).
+    model: str = ""
 
 
 class Cancel(msgspec.Struct, tag="cancel"):
@@ -160,6 +162,15 @@ class Finished(msgspec.Struct, tag="finished"):
     request_id: str
 
 
+class Returned(msgspec.Struct, tag="returned"):
+    """A worker refused `request_id` without running it (it does not answer to the request's model: an older
+    scheduler, or a race with a restart): the scheduler queues it again as it was."""
+
+    worker_id: str
+    request_id: str
+    reason: str = ""
+
+
 class Handoff(msgspec.Struct, tag="handoff"):
     """A worker told to stop left its running requests to the others: the scheduler moves them now,
     each with the tokens it has delivered, rather than waiting for the worker's heartbeat to lapse."""
@@ -185,6 +196,20 @@ class Heartbeat(msgspec.Struct, tag="heartbeat"):
     prefixes: list[int] = msgspec.field(default_factory=list)
     # The engine it hosts (hf, vllm, sim): the gateway refuses what that engine cannot do (gateway/engine_limits.py).
     engine: str = ""
+    # The names it answers to (SERVED_MODEL_NAME); empty: `model` alone.
+    names: list[str] = msgspec.field(default_factory=list)
+
+    def serves(self) -> list[str]:
+        return self.names or [self.model]
+
+
+class ModelLoad(msgspec.Struct, tag="model_load"):
+    """One model's work as the scheduler sees it: requests waiting for its workers, requests they run, and
+    how many live workers answer to it."""
+
+    waiting: int = 0
+    running: int = 0
+    workers: int = 0
 
 
 class StreamMeta(msgspec.Struct, tag="stream"):
@@ -222,7 +247,7 @@ InboxMessage = Batch | Cancel | Tokenize | Detokenize
 Result = Token | Done | Error
 # What a worker answers a Tokenize or a Detokenize with.
 Reply = Tokens | Error
-WorkerEvent = Finished | Handoff
+WorkerEvent = Finished | Handoff | Returned
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders: dict[object, msgspec.msgpack.Decoder] = {}
@@ -282,6 +307,11 @@ class Keys:
     @property
     def workers(self) -> str:
         return self._shared("workers")
+
+    @property
+    def models(self) -> str:
+        """model name -> its ModelLoad, written by the leading scheduler."""
+        return self._shared("models")
 
     def tokens(self, second: int) -> str:
         """Output tokens all gateways delivered in one second of Unix time (the cluster view's rate)."""

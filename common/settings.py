@@ -16,6 +16,8 @@ class Settings:
     gateway_port: int = 8000
     model: str = DEFAULT_MODEL
     model_file: str = ""
+    served_model_name: str = ""
+    models: str = ""
     worker_slots: int = 16
     worker_threads: int = 0
     worker_device: str = "auto"
@@ -80,6 +82,14 @@ class Settings:
         settings.check()
         return settings
 
+    def served_names(self) -> list[str]:
+        """The names a worker answers to: SERVED_MODEL_NAME's, comma-separated, or else MODEL."""
+        return _names(self.served_model_name) or [self.model]
+
+    def model_names(self) -> list[str]:
+        """Models a gateway accepts requests for besides MODEL while no live worker serves them (MODELS)."""
+        return _names(self.models)
+
     def check(self) -> None:
         for field in fields(self):
             value = getattr(self, field.name)
@@ -115,6 +125,10 @@ class Settings:
         # Key names carry the namespace in Redis Cluster hash tags ({ns}), which braces would break.
         if "{" in self.namespace or "}" in self.namespace or (target.cluster and not self.namespace):
             raise SettingsError(f"NAMESPACE={self.namespace!r}: must not contain braces (nor be empty in a cluster)")
+
+
+def _names(value: str) -> list[str]:
+    return [name.strip() for name in value.split(",") if name.strip()]
 
 
 class SettingsError(ValueError):

@@ -22,6 +22,7 @@ from common.protocol import (
     Error,
     Heartbeat,
     Keys,
+    ModelLoad,
     ProtocolError,
     Result,
     StreamMeta,
@@ -175,7 +176,7 @@ class Bus:
             await self._open_logs(logs, header, log_ttl)
         pipe = self.redis.pipeline(transaction=False)
         for submit in submits:
-            self._stamp(pipe, submit.request_id, "received")
+            self._stamp(pipe, submit.request_id, "received", model=submit.model)
         # Plain EVAL: Redis caches the compiled script, and unlike a registered Script in a
         # pipeline it costs no SCRIPT EXISTS round trip per request.
         keys = [self.keys.queued, self.keys.queued_bytes, self.keys.requests, self.keys.in_flight(submits[0].tenant),
@@ -362,6 +363,17 @@ class Bus:
         raw = await self.redis.lrange(self.keys.trace(request_id), 0, -1)
         events = [decode(item, TraceEvent, self.limit) for item in raw]
         return sorted(events, key=lambda event: event.at)
+
+    async def model_load(self, model: str) -> ModelLoad:
+        """The model's requests waiting and running, as the leading scheduler last counted them (none known:
+        zeros)."""
+        raw = await self.redis.hget(self.keys.models, model)
+        if raw is None:
+            return ModelLoad()
+        try:
+            return decode(raw, ModelLoad, self.limit)
+        except ProtocolError:
+            return ModelLoad()
 
     async def queue_depth(self) -> int:
         return max(int(await self.redis.get(self.keys.queued) or 0), 0)

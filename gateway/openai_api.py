@@ -20,22 +20,30 @@ from gateway.errors import ApiError
 from gateway.formats import EventResponse, Shape, chunk_events, usage
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, OpenAIFields
 from gateway.streams import collect, start
-from gateway.submits import bus_of, stream_meta, submits_for
+from gateway.submits import bus_of, serving, stream_meta, submits_for
 
 router = APIRouter(prefix="/v1")
 
 
 async def served_models(bus: Bus) -> list[str]:
-    """The models live workers serve, and the configured one (requests for it wait for a worker)."""
-    return sorted({w.model for w in await bus.live_workers()} | {bus.settings.model})
+    """The names live workers answer to, and the configured ones (MODEL, MODELS: requests for them wait for a
+    worker)."""
+    configured = {bus.settings.model, *bus.settings.model_names()}
+    return sorted({name for w in await bus.live_workers() for name in w.serves()} | configured)
 
 
 @router.get("/models", summary="The models the live workers serve")
 async def list_models(request: Request) -> dict[str, object]:
+    """Each name once, with the weights behind it (`root`, as vLLM says) and how many live workers serve it."""
+    bus = bus_of(request)
     created = int(time.time())
-    models = await served_models(bus_of(request))
-    return {"object": "list", "data": [{"id": m, "object": "model", "created": created, "owned_by": "llmserve"}
-                                       for m in models]}
+    live = await bus.live_workers()
+    data = []
+    for name in await served_models(bus):
+        workers = serving(live, name)
+        data.append({"id": name, "object": "model", "created": created, "owned_by": "llmserve",
+                     "root": workers[0].model if workers else name, "workers": len(workers)})
+    return {"object": "list", "data": data}
 
 
 async def _prepare(request: Request, body: OpenAIFields, prompts: list[str | None], logprobs: int | None,
@@ -49,7 +57,7 @@ async def _prepare(request: Request, body: OpenAIFields, prompts: list[str | Non
     messages = chat.chat_messages() if chat else None
     constraint = await constraint_of(request, body)
     return await submits_for(request, body, prompts, body.n, messages, logprobs, constraint.grammar,
-                             constraint.tools)
+                             constraint.tools, body.model)
 
 
 async def _respond(request: Request, body: OpenAIFields, chat: bool, submits: list[Submit]) -> Response:

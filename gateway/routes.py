@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
 from common.errors import ErrorCode
@@ -12,7 +12,7 @@ from gateway.errors import ApiError
 from gateway.formats import EventResponse, done_fields, seed_events
 from gateway.schemas import GenerateRequest
 from gateway.streams import collect, start
-from gateway.submits import bus_of, stream_meta, submits_for
+from gateway.submits import bus_of, serving, stream_meta, submits_for
 
 router = APIRouter()
 
@@ -37,13 +37,21 @@ async def generate(body: GenerateRequest, request: Request) -> JSONResponse:
     return JSONResponse(answers[0] if body.prompt is not None else {"results": answers})
 
 
-@router.get("/health", summary="Redis reachability and the number of live workers")
-async def health(request: Request) -> JSONResponse:
+@router.get("/health", summary="Redis reachability and the number of live workers (of one model, with ?model=)")
+async def health(request: Request, model: str | None = Query(None, max_length=256, description=(
+        "Only this model's workers, and its requests waiting in the scheduler's queue: what an autoscaler of "
+        "that model's workers reads"))) -> JSONResponse:
     bus = bus_of(request)
     try:
         await bus.ping()
         workers = await bus.live_workers()
+        load = await bus.model_load(model) if model is not None else None
     except (*REDIS_ERRORS, OSError):
         return JSONResponse({"status": "unavailable", "redis": False, "workers": 0}, status_code=503)
-    return JSONResponse({"status": "ok" if workers else "no_workers", "redis": True, "workers": len(workers),
-                         "slots": sum(w.slots for w in workers), "running": sum(w.running for w in workers)})
+    if model is not None:
+        workers = serving(workers, model)
+    answer = {"status": "ok" if workers else "no_workers", "redis": True, "workers": len(workers),
+              "slots": sum(w.slots for w in workers), "running": sum(w.running for w in workers)}
+    if load is not None:
+        answer |= {"model": model, "waiting": load.waiting}
+    return JSONResponse(answer)

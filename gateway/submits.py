@@ -30,12 +30,13 @@ def tenant_of(request: Request) -> str | None:
 
 async def submits_for(request: Request, body: SamplingFields, prompts: list[str | None], choices: int = 1,
                       messages: list[ChatMessage] | None = None, logprobs: int | None = None, grammar: str = "",
-                      tools: list[Tool] | None = None) -> list[Submit]:
+                      tools: list[Tool] | None = None, model: str | None = None) -> list[Submit]:
     """One Submit per prompt and choice, each with its own request_id (choice i samples with seed + i),
     all of one tenant: the digest of the API key that authorised the request, or else the request's
-    first request_id."""
+    first request_id. They run on workers of `model` (by default MODEL, the gateway's own)."""
     bus = bus_of(request)
-    check_engine_bounds(await bus.live_workers(), body)
+    model = model or bus.settings.model
+    check_engine_bounds(serving(await bus.live_workers(), model), body)
     submits = [body.submit(prompt=p, messages=messages, seed_offset=i, logprobs=logprobs,
                            queue_timeout=bus.settings.queue_timeout, grammar=grammar, tools=tools)
                for p in prompts for i in range(choices)]
@@ -44,9 +45,15 @@ async def submits_for(request: Request, body: SamplingFields, prompts: list[str 
     for submit in submits:
         submit.tenant = tenant
         submit.traceparent = traceparent
-        log.info("received", extra={"request_id": submit.request_id})
+        submit.model = model
+        log.info("received", extra={"request_id": submit.request_id, "model": model})
     request.state.request_id = submits[0].request_id
     return submits
+
+
+def serving(workers: list[Heartbeat], model: str) -> list[Heartbeat]:
+    """The workers that answer to `model`."""
+    return [w for w in workers if model in w.serves()]
 
 
 def stream_meta(request: Request, submits: list[Submit], api: str, model: str = "", n: int = 1,

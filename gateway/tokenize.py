@@ -15,7 +15,7 @@ from common.protocol import Detokenize, Error, ProtocolError, Reply, Tokenize, T
 from gateway.errors import ApiError
 from gateway.schemas import MAX_TOKENS, ChatRequestMessage, Text, ToolDefinition, new_request_id
 from gateway.streams import api_error
-from gateway.submits import bus_of
+from gateway.submits import bus_of, serving
 
 router = APIRouter()
 
@@ -45,10 +45,12 @@ class DetokenizeRequest(BaseModel):
 
 async def _ask(request: Request, model: str | None, job: Tokenize | Detokenize) -> Tokens:
     bus = bus_of(request)
-    live = await bus.live_workers()
-    if model is not None and model not in {w.model for w in live} | {bus.settings.model}:
+    live = [w for w in await bus.live_workers() if not w.draining]
+    known = {name for w in live for name in w.serves()} | {bus.settings.model, *bus.settings.model_names()}
+    if model is not None and model not in known:
         raise ApiError.of(ErrorCode.MODEL_NOT_FOUND, f"the model '{model}' does not exist", "model")
-    workers = [w for w in live if not w.draining and (model is None or w.model == model)]
+    # The tokenizer of the model named, or else of MODEL's workers (of any worker, if none serves MODEL).
+    workers = serving(live, model or bus.settings.model) or ([] if model else live)
     if not workers:
         raise ApiError.of(ErrorCode.QUEUE_TIMEOUT, "no live worker to tokenize with; retry when one is up")
     worker = random.choice(workers)

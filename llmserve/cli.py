@@ -17,11 +17,22 @@ def _count(value: str) -> int:
     return number
 
 
+def _workers(value: str) -> int | dict[str, int]:
+    from llmserve.launcher import worker_counts
+
+    try:
+        return worker_counts(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="llmserve", description="LLM serving over a Redis message bus.")
     commands = parser.add_subparsers(dest="command", required=True)
     up = commands.add_parser("up", help="start Redis (if needed), the gateway, a scheduler and workers")
-    up.add_argument("--workers", type=int, default=1, help="number of worker processes (default 1)")
+    up.add_argument("--workers", type=_workers, default=1, metavar="N | MODEL=N,...",
+                    help="number of worker processes (default 1), or a number per model: each such worker loads "
+                         "and answers to its MODEL")
     up.add_argument("--gateways", type=_count, default=1,
                     help="number of gateway processes, on consecutive ports from GATEWAY_PORT (default 1)")
     status = commands.add_parser("status", help="workers, slots, queue and recent throughput, as a table")

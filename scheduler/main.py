@@ -15,6 +15,7 @@ import logging
 import signal
 import time
 import uuid
+from collections import Counter
 
 import redis
 
@@ -34,6 +35,7 @@ from common.protocol import (
     Keys,
     ProtocolError,
     RequestMessage,
+    Returned,
     Submit,
     WorkerEvent,
     encode,
@@ -45,8 +47,8 @@ from common.settings import Settings
 from common.telemetry import serve_metrics, setup_logging
 from common.trace import stamp
 from common.tracing import Tracing
-from scheduler import metrics
-from scheduler.policy import BATCH_OVERHEAD, Queued, WaitingQueue, WorkerState, fits_a_batch, plan
+from scheduler import metrics, vllm_metrics
+from scheduler.policy import BATCH_OVERHEAD, Queued, WaitingQueue, WorkerState, fits_a_batch, model_figures, plan
 
 log = logging.getLogger("scheduler")
 
@@ -78,10 +80,12 @@ class Scheduler:
         self.leading = False
         self.queue = WaitingQueue(fair=self.settings.scheduling_policy == "fair")
         self.workers: dict[str, WorkerState] = {}
+        self.model_of: dict[str, str] = {}  # request_id -> its model, while a worker runs it
         self.next_refresh = 0.0
         # A standby or a demoted leader shows no work: only the leader's gauges count.
         for gauge in (metrics.WAITING, metrics.WORKERS, metrics.FREE_SLOTS):
             gauge.set(0)
+        vllm_metrics.set_models({})
 
     def run(self) -> None:
         backoff = Backoff()
@@ -165,6 +169,7 @@ class Scheduler:
         if now() >= self.next_refresh:
             self._refresh_workers()
             self._expire()
+            self._publish_models()
         self._dispatch()
         metrics.WAITING.set(len(self.queue))
         metrics.WORKERS.set(len(self.workers))
@@ -249,12 +254,33 @@ class Scheduler:
         event = decode_or_drop(fields.get(PAYLOAD), WorkerEvent, self.limit, log, "a malformed worker event")
         if isinstance(event, Handoff):
             handoffs.append(event.worker_id)
-        if not isinstance(event, Finished):
+        if isinstance(event, Returned):
+            self._returned(pipe, event)
+        if not isinstance(event, Finished | Returned):
             return
         pipe.hdel(self.keys.assigned(event.worker_id), event.request_id)
         worker = self.workers.get(event.worker_id)
         if worker:
             worker.assigned.pop(event.request_id, None)
+        self.model_of.pop(event.request_id, None)
+
+    def _returned(self, pipe: redis.client.Pipeline, event: Returned) -> None:
+        """A worker refused a request for a model it does not serve: queued again as it was, counted in again
+        (it left the admission counts at dispatch), and that worker is not asked again for that model."""
+        payload = self.redis.hget(self.keys.assigned(event.worker_id), event.request_id)
+        submit = decode_or_drop(payload, Submit, self.limit, log, "a returned assignment",
+                                worker_id=event.worker_id)
+        if submit is None:
+            return
+        log.warning("returned by its worker", extra={"request_id": submit.request_id, "model": submit.model,
+                                                     "worker_id": event.worker_id, "reason": event.reason})
+        worker = self.workers.get(event.worker_id)
+        if worker is not None and submit.model:
+            worker.models = worker.models - {submit.model} or frozenset({""})
+        if not submit.migrations:
+            pipe.incrby(self.keys.queued, 1)
+            pipe.incrby(self.keys.queued_bytes, len(payload))
+        pipe.xadd(self.keys.requests, {PAYLOAD: payload}, maxlen=REQUEST_STREAM_MAXLEN, approximate=True)
 
     def _refresh_workers(self) -> None:
         self.next_refresh = now() + self.settings.heartbeat_interval
@@ -269,6 +295,7 @@ class Scheduler:
             state = self.workers.get(worker_id) or self._joined(worker_id, beat.slots)
             state.draining = beat.draining
             state.prefixes = frozenset(beat.prefixes)
+            state.models = frozenset(beat.serves())
             alive[worker_id] = state
         for worker_id in self.workers.keys() - alive.keys() - set(ids):
             self._lose(worker_id)
@@ -281,6 +308,7 @@ class Scheduler:
         for rid, payload in self.redis.hgetall(self.keys.assigned(worker_id)).items():
             submit = decode_or_drop(payload, Submit, self.limit, log, "an assignment", worker_id=worker_id)
             known[rid.decode()] = submit.tenant if submit else ""
+            self.model_of[rid.decode()] = submit.model if submit else ""
         log.info("worker joined", extra={"worker_id": worker_id, "slots": slots, "running": len(known)})
         return WorkerState(worker_id, slots, known)
 
@@ -296,6 +324,8 @@ class Scheduler:
         for rid in assigned:
             reads.lrange(self.keys.progress(rid.decode()), 0, -1)
         pipe = self.redis.pipeline(transaction=False)
+        for rid in assigned:
+            self.model_of.pop(rid.decode(), None)
         for (rid, payload), delivered in zip(assigned.items(), reads.execute(), strict=True):
             submit = decode_or_drop(payload, Submit, self.limit, log, "an assignment", worker_id=worker_id)
             try:
@@ -331,6 +361,20 @@ class Scheduler:
         log.warning("migrating", extra={"request_id": rid, "resume_tokens": len(delivered),
                                         "migrations": submit.migrations})
         pipe.xadd(self.keys.requests, {PAYLOAD: payload}, maxlen=REQUEST_STREAM_MAXLEN, approximate=True)
+
+    def _publish_models(self) -> None:
+        """Each model's requests waiting and running, for the metrics and, through Redis, for each gateway's
+        /health?model= (what an autoscaler of that model's workers reads). Models with workers but no work
+        show zeros."""
+        figures = model_figures(self.queue.depths(), Counter(self.model_of.values()),
+                                [w.models for w in self.workers.values()])
+        vllm_metrics.set_models(figures)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.delete(self.keys.models)
+        if figures:
+            pipe.hset(self.keys.models, mapping={model: encode(f, self.limit) for model, f in figures.items()})
+            pipe.pexpire(self.keys.models, int(self.settings.worker_ttl * 1000))
+        pipe.execute()
 
     def _expire(self) -> None:
         """Requests that waited past their deadline leave the queue with a timeout error."""
@@ -393,8 +437,9 @@ class Scheduler:
             metrics.BATCHES.inc()
             for item in items:
                 self.workers[worker_id].assigned[item.request_id] = item.tenant
+                self.model_of[item.request_id] = item.model
                 self._stamp(pipe, item.request_id, "dispatched", batch_id=batch.batch_id, worker_id=worker_id,
-                            batch_size=len(items))
+                            batch_size=len(items), model=item.model)
                 metrics.DISPATCH_LATENCY.observe(max(clock - item.submit.submitted_at, 0.0))
                 self.tracing.end(self.tracing.start(
                     "llmserve.queue", item.submit.traceparent, int(item.submit.submitted_at * 1e9),

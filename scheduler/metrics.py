@@ -19,6 +19,3 @@ WORKERS_LOST = Counter("llmserve_scheduler_workers_lost_total", "Workers gone wi
 FAILED = Counter("llmserve_scheduler_failed_total", "Requests the scheduler ended with an error", ["code"])
 DEAD_LETTERS = Counter("llmserve_scheduler_dead_letters_total",
                        "Requests set aside after they failed the scheduler (also counted in failed_total)")
-
-# vLLM's name for the queue's length, read from WAITING at each scrape (after it, as it reads it).
-from scheduler import vllm_metrics  # noqa: E402, F401

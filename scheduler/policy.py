@@ -1,5 +1,7 @@
 """Who runs next, on which worker, in which message: the scheduler's policy as pure code.
 
+- A request runs only on a worker that answers to the model it names (any worker, if it names none): each
+  model's workers are a pool of their own, and a model without free slots holds up no other model.
 - Requests moved off a lost worker go first: their clients are already mid-stream.
 - Among the rest, the tenant with the fewest requests running goes next (ties: the oldest
   request first), so a flood from one tenant does not delay another's first token, and
@@ -13,12 +15,12 @@
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
 from common.prefix import prefix_keys
-from common.protocol import Submit
+from common.protocol import ModelLoad, Submit
 
 # Bytes of a Batch message around its sequences (tag, field names, batch id), with room to spare.
 BATCH_OVERHEAD = 256
@@ -44,6 +46,10 @@ class Queued:
     def tenant(self) -> str:
         return self.submit.tenant
 
+    @property
+    def model(self) -> str:
+        return self.submit.model
+
     @cached_property
     def prefix_keys(self) -> tuple[int, ...]:
         return tuple(prefix.key for prefix in prefix_keys(self.submit))
@@ -57,11 +63,15 @@ class WorkerState:
     draining: bool = False
     prefixes: frozenset[int] = frozenset()  # text keys its heartbeat says its prefix cache holds
     expected: OrderedDict[int, float] = field(default_factory=OrderedDict)  # key -> until: sent its way since
+    models: frozenset[str] = frozenset()  # the names it answers to (none known: any)
 
     @property
     def free(self) -> int:
         """Slots for new work: none while the worker drains before it stops."""
         return 0 if self.draining else self.slots - len(self.assigned)
+
+    def serves(self, model: str) -> bool:
+        return not model or not self.models or model in self.models
 
     def holds(self, keys: Sequence[int], clock: float) -> int:
         """How deep into `keys` (a request's, from its start) this worker caches: its deepest key held counts."""
@@ -89,13 +99,13 @@ def tenant_cap(total_slots: int) -> int:
 
 
 class WaitingQueue:
-    """The requests no worker has taken yet: the migrated lane, then one FIFO per tenant.
-    With `fair` off (SCHEDULING_POLICY=fifo) every request shares one FIFO and no tenant is capped."""
+    """The requests no worker has taken yet: the migrated lane, then one FIFO per model and tenant.
+    With `fair` off (SCHEDULING_POLICY=fifo) the requests of one model share one FIFO and no tenant is capped."""
 
     def __init__(self, fair: bool = True) -> None:
         self.fair = fair
         self.migrated: deque[Queued] = deque()
-        self.tenants: dict[str, deque[Queued]] = {}
+        self.tenants: dict[tuple[str, str], deque[Queued]] = {}  # (model, tenant) -> its requests, oldest first
 
     def __len__(self) -> int:
         return len(self.migrated) + sum(len(q) for q in self.tenants.values())
@@ -105,11 +115,15 @@ class WaitingQueue:
         for queue in self.tenants.values():
             yield from queue
 
+    def depths(self) -> Counter[str]:
+        """Requests waiting, by the model they name."""
+        return Counter(item.model for item in self)
+
     def add(self, item: Queued) -> None:
         if item.submit.migrations:
             self.migrated.append(item)
         else:
-            self.tenants.setdefault(item.tenant if self.fair else "", deque()).append(item)
+            self.tenants.setdefault((item.model, item.tenant if self.fair else ""), deque()).append(item)
 
     def remove(self, request_id: str) -> Queued | None:
         for item in self:
@@ -124,18 +138,23 @@ class WaitingQueue:
         self._drop(gone)
         return gone
 
-    def pop_next(self, running: Counter[str], cap: int) -> Queued | None:
-        """The next request to run, given how many each tenant runs; None if only capped tenants wait."""
-        if self.migrated:
-            return self.migrated.popleft()
-        ready = [(running[t], q[0].submit.submitted_at, t) for t, q in self.tenants.items() if running[t] < cap]
+    def pop_next(self, running: Counter[str], cap: int,
+                 placeable: Callable[[str], bool] = lambda _: True) -> Queued | None:
+        """The next request to run, given how many each tenant runs, among those whose model has a worker with
+        room (`placeable`); None if only capped tenants, or only models without room, wait."""
+        for item in self.migrated:
+            if placeable(item.model):
+                self.migrated.remove(item)
+                return item
+        ready = [(running[tenant], q[0].submit.submitted_at, tenant, model)
+                 for (model, tenant), q in self.tenants.items() if running[tenant] < cap and placeable(model)]
         if not ready:
             return None
-        tenant = min(ready)[2]
-        queue = self.tenants[tenant]
+        _, _, tenant, model = min(ready)
+        queue = self.tenants[model, tenant]
         item = queue.popleft()
         if not queue:
-            del self.tenants[tenant]
+            del self.tenants[model, tenant]
         return item
 
     def _drop(self, items: list[Queued]) -> None:
@@ -143,12 +162,12 @@ class WaitingQueue:
         if not ids:
             return
         self.migrated = deque(i for i in self.migrated if i.request_id not in ids)
-        for tenant in list(self.tenants):
-            left = deque(i for i in self.tenants[tenant] if i.request_id not in ids)
+        for key in list(self.tenants):
+            left = deque(i for i in self.tenants[key] if i.request_id not in ids)
             if left:
-                self.tenants[tenant] = left
+                self.tenants[key] = left
             else:
-                del self.tenants[tenant]
+                del self.tenants[key]
 
 
 def plan(queue: WaitingQueue, workers: list[WorkerState], limit: int,
@@ -157,15 +176,20 @@ def plan(queue: WaitingQueue, workers: list[WorkerState], limit: int,
 
     Filling the emptiest worker first spreads a burst over all workers (each one is separate
     compute), while each worker still receives its share in as few messages as fit; a request
-    whose prefix a worker with room caches goes there instead (`choose`)."""
+    whose prefix a worker with room caches goes there instead (`choose`). A request goes only to a
+    worker that serves its model."""
     states = {w.worker_id: w for w in workers}
     free = {w.worker_id: w.free for w in workers if w.free > 0}
     running = Counter(tenant for w in workers for tenant in w.assigned.values()) if queue.fair else Counter()
     cap = tenant_cap(sum(w.slots for w in workers if not w.draining)) if queue.fair else sum(free.values())
     batches: dict[str, list[list[Queued]]] = {}
     sizes: dict[str, int] = {}
-    while free and (item := queue.pop_next(running, cap)) is not None:
-        worker_id = choose(item.prefix_keys, free, states, clock)
+    def placeable(model: str) -> bool:
+        return any(states[w].serves(model) for w in free)
+
+    while free and (item := queue.pop_next(running, cap, placeable)) is not None:
+        worker_id = choose(item.prefix_keys, {w: n for w, n in free.items() if states[w].serves(item.model)},
+                           states, clock)
         states[worker_id].expect(item.prefix_keys, clock + EXPECTED_TTL)
         chunks = batches.setdefault(worker_id, [[]])
         if chunks[-1] and sizes[worker_id] + item.size > limit:
@@ -189,3 +213,11 @@ def choose(keys: Sequence[int], free: dict[str, int], states: dict[str, WorkerSt
         return emptiest
     depth, room, holder = max((states[w].holds(keys, clock), free[w], w) for w in free)
     return holder if depth and 2 * room >= free[emptiest] else emptiest
+
+
+def model_figures(waiting: Counter[str], running: Counter[str],
+                  worker_models: Sequence[frozenset[str]]) -> dict[str, ModelLoad]:
+    """Each named model's waiting and running requests and live workers (requests naming no model left out)."""
+    names = {m for m in [*waiting, *running] if m} | {m for models in worker_models for m in models if m}
+    return {name: ModelLoad(waiting[name], running[name], sum(name in models for models in worker_models))
+            for name in sorted(names)}

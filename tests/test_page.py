@@ -183,6 +183,9 @@ def test_the_page_streams_answers_and_shows_the_cluster_and_their_journeys(stack
              lambda: [(rid, hops[-1:]) for rid, hops in journeys()] == [(completion_id, ["delivered"]),
                                                                         (chat_id, ["delivered"])])
         assert all(len(hops) >= 3 for _, hops in journeys())
+        # Each row says which model served its request.
+        labels = browser.find_elements(By.CSS_SELECTOR, "#waterfall g.journey > text[data-model]")
+        assert [label.get_attribute("data-model") for label in labels] == [model, model]
     finally:
         SCREENSHOT.parent.mkdir(exist_ok=True)
         # The whole page, not just the first screenful: a headless window cannot outgrow its screen, a viewport can.

@@ -30,6 +30,7 @@ from common.protocol import (
     InboxMessage,
     Keys,
     ProtocolError,
+    Returned,
     Submit,
     Token,
     Tokenize,
@@ -82,6 +83,7 @@ class Worker:
         self.timings: dict[str, Timing] = {}
         self.metrics_port = 0
         self.tracing = Tracing("worker")
+        self.names = settings.served_names()  # the model names it answers to
 
     def drain(self) -> None:
         """Take no new work and stop: at once, handing what runs to other workers when they have room
@@ -186,7 +188,8 @@ class Worker:
         beat = Heartbeat(self.id, self.loaded.name, self.loaded.max_length, self.engine.slots,
                          self.engine.running_count, self.engine.waiting_count, self.finished_total, now(),
                          draining=self.drain_until is not None, metrics_port=self.metrics_port,
-                         vocab=self.loaded.vocab, prefixes=self._held_prefixes(), engine=self.engine.name)
+                         vocab=self.loaded.vocab, prefixes=self._held_prefixes(), engine=self.engine.name,
+                         names=self.names)
         ttl_ms = int(self.settings.worker_ttl * 1000)
         pipe = self.redis.pipeline(transaction=False)
         pipe.set(self.keys.heartbeat(self.id), encode(beat, self.settings.max_message_bytes), px=ttl_ms)
@@ -241,6 +244,9 @@ class Worker:
     def _admit(self, batch: Batch) -> None:
         pipe = self.redis.pipeline(transaction=False)
         for submit in batch.sequences:
+            if submit.model and submit.model not in self.names:
+                self._return(pipe, submit)
+                continue
             span = self.tracing.start("llmserve.generate", submit.traceparent, **{
                 "llmserve.request_id": submit.request_id, "llmserve.worker_id": self.id,
                 "llmserve.resume_tokens": len(submit.resume)})
@@ -260,6 +266,16 @@ class Worker:
                 log.exception("a request could not start", extra={"request_id": submit.request_id})
                 self._fail(submit.request_id, ErrorCode.ENGINE_ERROR, f"the request could not start: {exc}")
         pipe.execute()
+
+    def _return(self, pipe: redis.client.Pipeline, submit: Submit) -> None:
+        """A request for a model this worker does not answer to goes back to the queue, never run here."""
+        reason = f"this worker answers to {', '.join(self.names)}, not {submit.model}"
+        log.warning("returned to the queue", extra={"request_id": submit.request_id, "model": submit.model,
+                                                    "worker_id": self.id})
+        self._stamp(pipe, submit.request_id, "returned", worker_id=self.id, reason=reason)
+        event = Returned(self.id, submit.request_id, reason)
+        pipe.xadd(self.keys.events, {PAYLOAD: encode(event, self.settings.max_message_bytes)},
+                  maxlen=EVENT_STREAM_MAXLEN, approximate=True)
 
     def _start(self, submit: Submit) -> None:
         if len(submit.resume) >= submit.params.max_tokens:

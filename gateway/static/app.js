@@ -417,6 +417,15 @@ function segments(events) {
   });
 }
 
+// The model a journey named, and the worker it was dispatched to last, from its trace's hops.
+function servedBy(journey) {
+  const events = journey.trace ? journey.trace.events : [];
+  const received = events.find((e) => e.hop === "received");
+  const dispatched = events.filter((e) => e.hop === "dispatched").pop();
+  return { model: (received && received.detail && received.detail.model) || "",
+    worker: (dispatched && dispatched.detail && dispatched.detail.worker_id) || "" };
+}
+
 function drawWaterfall() {
   const box = $("waterfall");
   if (!state.journeys.length) return;
@@ -443,8 +452,11 @@ function drawWaterfall() {
   }
   rows.forEach(({ journey, parts }, row) => {
     const top = axisHeight + row * rowHeight;
-    const label = svg("text", { x: 0, y: top + rowHeight / 2 + 4 }, `${journey.id.slice(0, 8)} · ${journey.kind}`);
-    label.append(svg("title", {}, journey.id));
+    const served = servedBy(journey);
+    const label = svg("text", { x: 0, y: top + rowHeight / 2 + 4, "data-model": served.model },
+      `${journey.id.slice(0, 8)} · ${served.model || journey.kind}`);
+    label.append(svg("title", {}, [journey.id, journey.kind, served.model, served.worker && `worker ${served.worker}`]
+      .filter(Boolean).join(" · ")));
     const group = svg("g", { class: "journey", "data-request-id": journey.id });
     group.append(label);
     if (!parts.length) {
