@@ -29,6 +29,7 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0, top_p=1, top_k=0)
 FORCED = replace(GREEDY, ignore_eos=True)
 STORY = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
 LOOP = "one two one two one two one two one two"
+FOX = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                            "population": {"type": "integer", "maximum": 100000000}},
           "required": ["city", "population"]}
@@ -303,13 +304,16 @@ def test_penalties_make_repeats_rarer(subject: Subject) -> None:
     assert len(penalised) - len(set(penalised)) < len(plain) - len(set(plain))
 
 
-def test_a_resumed_request_keeps_its_penalties(subject: Subject) -> None:
-    """The delivered tokens count for the frequency and presence penalties after a move as before it."""
+@pytest.mark.parametrize(("frequency", "presence"), [(0.8, 0.4), (0.0, 0.7), (0.0, 1.2)])
+def test_a_resumed_request_keeps_its_penalties(subject: Subject, frequency: float, presence: float) -> None:
+    """The delivered tokens count for the frequency and presence penalties after a move as before it: once
+    each for presence, also when one of them is generated again (which these prompts and penalties do)."""
     subject.needs("sampling")
-    params = replace(FORCED, max_tokens=20, frequency_penalty=0.8, presence_penalty=0.4)
-    whole = subject.alone(LOOP, params)
-    rest = subject.alone(LOOP, params, tokens(whole)[:8])
-    assert tokens(rest) == tokens(whole)[8:]
+    params = replace(FORCED, max_tokens=30, frequency_penalty=frequency, presence_penalty=presence)
+    for prompt, cut in ((LOOP, 4), (LOOP, 10), (FOX, 4)):
+        whole = subject.alone(prompt, params)
+        rest = subject.alone(prompt, params, tokens(whole)[:cut])
+        assert tokens(rest) == tokens(whole)[cut:], (prompt, cut)
 
 
 def test_a_grammar_holds_the_answer_to_a_json_schema(subject: Subject) -> None:

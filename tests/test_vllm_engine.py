@@ -18,7 +18,7 @@ from gateway.engine_limits import refusal
 from gateway.schemas import GenerateRequest
 from worker import vllm_model
 from worker.engines import choose
-from worker.vllm_engine import as_lark, resumed_biases, sampling_arguments
+from worker.vllm_engine import DELIVERED, as_lark, resumed_biases, sampling_arguments
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 
@@ -63,8 +63,11 @@ def test_a_grammar_vllm_cannot_take_is_a_grammar_error() -> None:
 def test_a_ban_is_minus_infinity_and_delivered_tokens_carry_their_penalties() -> None:
     params = SamplingParams(logit_bias=((5, -100.0), (6, 2.5)), frequency_penalty=0.5, presence_penalty=0.25)
     biases = resumed_biases(params, [6, 6, 7])
-    assert biases == {5: float("-inf"), 6: 2.5 - 2 * 0.5 - 0.25, 7: -0.5 - 0.25}
+    assert biases == {5: float("-inf"), 6: 2.5 - 2 * 0.5, 7: -0.5}
     assert resumed_biases(SamplingParams(), [1, 2]) == {}
+    assert sampling_arguments(params, [6, 6, 7])["extra_args"] == {DELIVERED: [6, 6, 7]}
+    assert "extra_args" not in sampling_arguments(params, []) and "extra_args" not in sampling_arguments(
+        SamplingParams(frequency_penalty=1.0), [6])
 
 
 def test_a_resumed_request_asks_vllm_for_what_is_left() -> None:

@@ -171,6 +171,18 @@ def test_what_vllm_cannot_do_is_a_400_naming_the_field(vllm_stack: PrivateStack)
     assert fine.status_code == 200 and fine.json()["completion_tokens"] == 3
 
 
+def test_a_vllm_worker_exports_vllms_own_metrics(vllm_stack: PrivateStack) -> None:
+    """vLLM's statistics under its own names on the worker's metrics port, so that its dashboards read it."""
+    r = client_of(vllm_stack)
+    beats = [decode(r.get(KEYS.heartbeat(w.decode())), Heartbeat, 1 << 20) for w in r.smembers(KEYS.workers)]
+    ports = {beat.metrics_port for beat in beats}
+    for port in ports:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
+                     "vllm:generation_tokens_total", "llmserve_worker_generated_tokens_total"):
+            assert name in text, (port, name)
+
+
 def test_a_broken_stream_resumes_from_its_last_event(vllm_stack: PrivateStack, reference: str) -> None:
     with httpx.Client(base_url=vllm_stack.url, timeout=300) as client:
         with client.stream("POST", "/generate_stream", json=LONG) as response:

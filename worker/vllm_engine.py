@@ -37,6 +37,8 @@ from worker.vllm_model import VllmModel, cpu_environment, engine_arguments, hf_d
 
 log = logging.getLogger("worker")
 
+# The extra_args key of vLLM's SamplingParams for a migrated request's delivered tokens (worker/vllm_resume.py).
+DELIVERED = "llmserve_delivered"
 BAN_BIAS = 100.0  # a bias at or below minus this bans its token (common/protocol.py's logit_bias)
 
 
@@ -61,14 +63,14 @@ def as_lark(grammar: str) -> str:
 
 def resumed_biases(params: SamplingParams, resume: Tokens[int]) -> dict[int, float]:
     """logit_bias for vLLM: the request's own (a ban as minus infinity, as the own engine bans), plus, for a
-    migrated request, the frequency and presence penalties its delivered tokens carry, since vLLM counts only
-    what it generated itself."""
+    migrated request, the frequency penalty its delivered tokens carry, since vLLM counts only what it generated
+    itself (frequency adds up across the two; presence, which does not, is worker/vllm_resume.py's)."""
     biases: dict[int, float] = {}
     for token, bias in params.logit_bias:
         biases[token] = float("-inf") if bias <= -BAN_BIAS else float(bias)
-    if params.frequency_penalty or params.presence_penalty:
+    if params.frequency_penalty:
         for token, count in Counter(resume).items():
-            biases[token] = biases.get(token, 0.0) - params.frequency_penalty * count - params.presence_penalty
+            biases[token] = biases.get(token, 0.0) - params.frequency_penalty * count
     return biases
 
 
@@ -93,6 +95,8 @@ def sampling_arguments(params: SamplingParams, resume: Tokens[int]) -> dict[str,
     biases = resumed_biases(params, resume)
     if biases:
         arguments["logit_bias"] = biases
+    if resume and params.presence_penalty:
+        arguments["extra_args"] = {DELIVERED: list(resume)}  # worker/vllm_resume.py's presence penalty
     return arguments
 
 
@@ -391,8 +395,11 @@ def build(settings: Settings) -> tuple[VllmModel, VllmEngine]:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
+    from worker.vllm_resume import DeliveredPresence
+
     path = hf_directory(settings)
-    llm = LLMEngine.from_engine_args(EngineArgs(**engine_arguments(settings, path, cuda)))
+    arguments = {**engine_arguments(settings, path, cuda), "logits_processors": [DeliveredPresence]}
+    llm = LLMEngine.from_engine_args(EngineArgs(**arguments))
     config = llm.vllm_config
     model = load_tokenizer_model(settings, path, int(config.model_config.max_model_len))
     core = getattr(llm.engine_core, "engine_core", None)  # the in-process engine core (None in another process)
