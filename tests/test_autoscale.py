@@ -1,5 +1,5 @@
 """The workers' autoscaling, simulated on real processes: a small controller reads the signal the KEDA
-ScaledObject reads (deploy/kubernetes/base/worker-autoscaling.yaml: the request stream's length plus
+ScaledObject reads (deploy/kubernetes/base/worker/worker-autoscaling.yaml: the request stream's length plus
 the sequences running, from the gateway's /health) and starts and stops worker processes by the same
 rule as KEDA and the HPA, on a faster clock. From zero on the first request, out under a burst, in
 (SIGTERM: the worker drains) and back to zero when idle, with every stream whole."""
@@ -33,7 +33,7 @@ SIM = {"NAMESPACE": NS, "WORKER_SLOTS": str(SLOTS), "SIM_STEP_MS": "30"}
 
 
 def scaled_object() -> dict:
-    docs = yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "base" / "worker-autoscaling.yaml").read_text())
+    docs = yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "base" / "worker" / "worker-autoscaling.yaml").read_text())
     return next(doc for doc in docs if doc["kind"] == "ScaledObject")["spec"]
 
 

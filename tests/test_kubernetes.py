@@ -32,11 +32,12 @@ needs_kubectl = pytest.mark.skipif(shutil.which("kubectl") is None,
                                    reason="no kubectl to render with (Debian: apt-get install kubernetes-client)")
 
 
-def base() -> list[dict]:
-    """The base's resources as written, without kubectl."""
-    kustomization = yaml.safe_load((KUBE / "base" / "kustomization.yaml").read_text())
+def base(folder: Path = KUBE / "base") -> list[dict]:
+    """The base's resources as written (a folder named among them is a kustomization too), without kubectl."""
+    kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
     return [doc for name in kustomization["resources"]
-            for doc in yaml.safe_load_all((KUBE / "base" / name).read_text()) if doc]
+            for doc in (base(folder / name) if (folder / name).is_dir()
+                        else yaml.safe_load_all((folder / name).read_text())) if doc]
 
 
 @functools.cache
@@ -81,7 +82,7 @@ def closed(schema: dict) -> dict:
 
 
 @needs_kubectl
-@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+@pytest.mark.parametrize("overlay", ["cpu", "gpu", "second-model"])
 def test_overlays_render_and_validate_against_the_kubernetes_and_keda_schemas(overlay: str) -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
     resources = rendered(overlay)
@@ -93,9 +94,10 @@ def test_overlays_render_and_validate_against_the_kubernetes_and_keda_schemas(ov
         for version in (versions[0], versions[-1]):  # the oldest and newest Kubernetes it knows
             kubernetes_validate.validate(resource, version, strict=True)
     kinds = sorted(r["kind"] for r in resources)
+    workers = ["Deployment", "PodDisruptionBudget", "ScaledObject"] * (2 if overlay == "second-model" else 1)
     assert kinds == sorted(["Namespace", "ConfigMap", "Secret", "Deployment", "Service", "Deployment", "Service",
                             "PodDisruptionBudget", "HorizontalPodAutoscaler", "Deployment", "PodDisruptionBudget",
-                            "Deployment", "PodDisruptionBudget", "ScaledObject"])
+                            *workers])
     assert {r["metadata"].get("namespace") for r in resources if r["kind"] != "Namespace"} == {"llmserve"}
     # The validators are not blind: an unknown field fails each of them.
     broken = copy.deepcopy(find(resources, "Deployment", "worker"))
@@ -192,3 +194,25 @@ def test_the_gpu_overlay_gives_each_worker_a_gpu_and_the_cuda_image() -> None:
     cpu = container(rendered("cpu"), "worker")
     assert cpu["image"] == compose()["services"]["worker"]["image"]
     assert "nvidia.com/gpu" not in cpu["resources"]["limits"]
+
+
+@needs_kubectl
+def test_each_model_has_its_own_workers_scaled_on_its_own_requests() -> None:
+    resources = rendered("second-model")
+    data = find(resources, "ConfigMap", "llmserve-settings")["data"]
+    models = {"worker": data["MODEL"]}
+    second_env = {e["name"]: e.get("value") for e in container(resources, "worker-second")["env"]}
+    models["worker-second"] = second_env["SERVED_MODEL_NAME"]
+    assert second_env["MODEL"] and models["worker-second"] in data["MODELS"].split(",")
+    assert container(resources, "worker-second")["resources"] == container(resources, "worker")["resources"]
+    selectors = {name: find(resources, "Deployment", name)["spec"]["selector"]["matchLabels"] for name in models}
+    assert selectors["worker"] != selectors["worker-second"]
+    for name, model in models.items():
+        assert find(resources, "PodDisruptionBudget", name)["spec"]["selector"]["matchLabels"] == selectors[name]
+        scaled = find(resources, "ScaledObject", name)["spec"]
+        assert scaled["scaleTargetRef"]["name"] == name and scaled["minReplicaCount"] == 0
+        triggers = {t["name"]: t["metadata"] for t in scaled["triggers"]}
+        assert set(triggers) == {"waiting", "running"}
+        for field, trigger in triggers.items():
+            assert trigger["url"] == f"http://gateway.llmserve.svc.cluster.local:{data['GATEWAY_PORT']}" \
+                f"/health?model={model}" and trigger["valueLocation"] == field
