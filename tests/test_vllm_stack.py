@@ -3,7 +3,8 @@
 answer, /tokenize, resume, and the faults: kill -9 of a worker mid-stream and SIGTERM with streams running,
 every stream whole (no token lost, none twice, the text of an unbroken run).
 
-vLLM runs eager with a small context and KV cache, so a worker starts in seconds; the module starts three."""
+vLLM runs eager with a small context and KV cache, so a worker starts in seconds; the module starts three
+(two, and one to replace the killed worker before the drain)."""
 
 from __future__ import annotations
 
@@ -201,6 +202,7 @@ def test_a_broken_stream_resumes_from_its_last_event(vllm_stack: PrivateStack, r
 
 
 def test_kill_9_of_a_worker_mid_stream_loses_and_repeats_nothing(vllm_stack: PrivateStack, reference: str) -> None:
+    restore_workers(vllm_stack)  # a worker started only where one is missing: each start costs seconds
     streams = 6
     started: list[str] = []
     with ThreadPoolExecutor(streams) as pool:
@@ -219,10 +221,10 @@ def test_kill_9_of_a_worker_mid_stream_loses_and_repeats_nothing(vllm_stack: Pri
           f"{lost} tokens lost, {repeated} repeated")
     assert (whole, lost, repeated) == (streams, 0, 0) and moved > 0
     assert all(final["completion_tokens"] == TOKENS for _, _, final in results)
-    restore_workers(vllm_stack)
 
 
 def test_sigterm_drains_a_worker_and_every_stream_ends_whole(vllm_stack: PrivateStack, reference: str) -> None:
+    restore_workers(vllm_stack)
     streams = 6
     started: list[str] = []
     with ThreadPoolExecutor(streams) as pool:
@@ -247,4 +249,3 @@ def test_sigterm_drains_a_worker_and_every_stream_ends_whole(vllm_stack: Private
           f"{whole}/{streams} whole, {lost} tokens lost, {repeated} repeated")
     assert code == 0
     assert (whole, lost, repeated) == (streams, 0, 0)
-    restore_workers(vllm_stack)
