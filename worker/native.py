@@ -10,7 +10,10 @@ they do not build; `off` never builds them.
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,13 +80,30 @@ def loaded() -> bool:
     return _build is not None and _build.loaded
 
 
+def build_directory() -> Path:
+    """Where the kernels are built: in torch's extension cache, one folder per Python, torch and accelerator."""
+    from torch.utils import cpp_extension
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    build = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
+    return Path(root) / f"{NAME}-{build.replace('+', '-')}"
+
+
 def _compile() -> _Build:
     try:
         from torch.utils import cpp_extension
 
-        cpp_extension.load(name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=FLAGS,
-                           extra_include_paths=[str(SOURCES[0].parent)],
-                           extra_ldflags=["-fopenmp"], is_python_module=False)
+        folder = build_directory()
+        folder.mkdir(parents=True, exist_ok=True)
+        # One build at a time, under a lock the kernel drops with its holder. torch's own lock is a file that a
+        # build killed mid-way (Ctrl-C on a first start) leaves behind, and every later start would wait on it for
+        # ever: whoever holds ours may remove it.
+        with open(folder / "llmserve.flock", "w") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            (folder / "lock").unlink(missing_ok=True)
+            cpp_extension.load(name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=FLAGS,
+                               extra_include_paths=[str(SOURCES[0].parent)], build_directory=str(folder),
+                               extra_ldflags=["-fopenmp"], is_python_module=False)
     except Exception as error:  # no compiler, no ninja, an unwritable cache: the scripted layer serves
         lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [""]
         causes = [line for line in lines if "not found" in line or "error:" in line]  # the compiler's own words
