@@ -23,8 +23,8 @@ async def cluster(request: Request) -> dict[str, object]:
     workers = sorted(await bus.live_workers(), key=lambda w: w.worker_id)
     throughput = await bus.throughput.read()  # every gateway's, not only this one's
     return {
-        "workers": [{"id": w.worker_id, "model": w.model, "slots": w.slots, "running": w.running,
-                     "waiting": w.waiting, "draining": w.draining} for w in workers],
+        "workers": [{"id": w.worker_id, "model": w.model, "names": w.serves(), "slots": w.slots,
+                     "running": w.running, "waiting": w.waiting, "draining": w.draining} for w in workers],
         "queue": await bus.queue_depth(),
         "tokens_per_s": throughput.rate(),
         "history": throughput.history(),
