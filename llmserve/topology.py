@@ -13,7 +13,7 @@ from pathlib import Path
 
 import redis
 
-from llmserve.launcher import free_port, popen, port_free, redis_server_binary, wait_until
+from llmserve.processes import free_port, popen, port_free, redis_server_binary, wait_until
 
 # A cluster node also listens on its port + 10000 (the cluster bus).
 BUS_OFFSET = 10000

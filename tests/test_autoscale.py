@@ -33,7 +33,8 @@ SIM = {"NAMESPACE": NS, "WORKER_SLOTS": str(SLOTS), "SIM_STEP_MS": "30"}
 
 
 def scaled_object() -> dict:
-    docs = yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "base" / "worker" / "worker-autoscaling.yaml").read_text())
+    path = ROOT / "deploy" / "kubernetes" / "base" / "worker" / "worker-autoscaling.yaml"
+    docs = yaml.safe_load_all(path.read_text())
     return next(doc for doc in docs if doc["kind"] == "ScaledObject")["spec"]
 
 
