@@ -105,7 +105,7 @@ class Worker:
         return room >= self.engine.running_count + self.engine.waiting_count
 
     def run(self) -> None:
-        log.info("worker ready", extra={"worker_id": self.id, "model": self.loaded.name,
+        log.info("worker ready", extra={"worker_id": self.id, "model": self.loaded.name, "names": self.names,
                                         "weights": self.loaded.weights, "slots": self.engine.slots})
         heartbeats = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
         heartbeats.start()
@@ -238,7 +238,7 @@ class Worker:
         metrics.RUNNING.set(self.engine.running_count)
         metrics.WAITING.set(self.engine.waiting_count)
         metrics.KV_CACHE_TOKENS.set(self.engine.cache_positions)
-        vllm_metrics.observe_step(self.loaded.name, self.engine, self.engine.slots, self.loaded.max_length)
+        vllm_metrics.observe_step(self.names[0], self.engine, self.engine.slots, self.loaded.max_length)
         self._publish(result, elapsed)
 
     def _admit(self, batch: Batch) -> None:
@@ -374,7 +374,7 @@ class Worker:
             self.tracing.end(timing.span, error=str(detail.get("code", "")), **{"llmserve.outcome": hop}, **{
                 f"llmserve.{name}": value for name, value in detail.items()})
         metrics.FINISHED.labels(hop).inc()
-        vllm_metrics.released(self.loaded.name, hop, detail.get("reason"))
+        vllm_metrics.released(self.names[0], hop, detail.get("reason"))
         self._stamp(pipe, request_id, hop, worker_id=self.id, **detail)
         pipe.delete(self.keys.progress(request_id))
         event = Finished(self.id, request_id)
