@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.stack_throughput import RESULTS  # noqa: E402
+from bench.provenance import provenance, write_results  # noqa: E402
 from llmserve.bench.client import Sampling, Target  # noqa: E402
 from llmserve.bench.run import HEADER, Level, format_row, run_level  # noqa: E402
 from llmserve.bench.workload import Lengths, make_jobs  # noqa: E402
@@ -49,6 +49,7 @@ def main() -> None:
     parser.add_argument("--engine", choices=("hf", "sim"), default="hf",
                         help="sim: the same comparison on ENGINE=sim workers (fixed step times, no model)")
     args = parser.parse_args()
+    started = provenance()
 
     runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
     for _ in range(args.rounds):
@@ -71,7 +72,7 @@ def main() -> None:
               "continuous_over_static_tok_s": cont["output_tok_s"] / static["output_tok_s"],
               "static_over_continuous_e2e_p99": static["e2e_p99_s"] / cont["e2e_p99_s"],
               "runs": runs}
-    (RESULTS / f"batching_{args.engine}.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_results(f"batching_{args.engine}", started, result)
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
 
 

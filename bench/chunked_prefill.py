@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.stack_throughput import RESULTS  # noqa: E402
+from bench.provenance import provenance, write_results  # noqa: E402
 from llmserve.bench.client import Outcome, Sampling, Target, stream  # noqa: E402
 from llmserve.bench.run import Level, run_level  # noqa: E402
 from llmserve.bench.stats import describe  # noqa: E402
@@ -87,8 +87,9 @@ def main() -> None:
     parser.add_argument("--gap", type=float, default=3.0, help="seconds between long prompts")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--blocks", default="", help="more chunked runs: PREFILL_BLOCK sizes, a comma list")
-    parser.add_argument("--out", type=Path, default=RESULTS / "chunked_prefill.json")
+    parser.add_argument("--out", type=Path, help="default: bench/results/chunked_prefill-<host kind>.json")
     args = parser.parse_args()
+    started = provenance()
     args.modes = dict(MODES)
     for size in filter(None, args.blocks.split(",")):
         args.modes[f"block {size}"] = (size, size)
@@ -113,7 +114,7 @@ def main() -> None:
                         "gap_s": args.gap, "threads": args.threads, "prefill_block_and_chunk": args.modes,
                         "greedy": True},
               "summary": summary, "runs": runs}
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_results("chunked_prefill", started, result, args.out)
     print(json.dumps(summary, indent=2))
 
 

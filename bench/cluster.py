@@ -22,8 +22,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-RESULTS = ROOT / "bench" / "results"
 
+from bench.provenance import provenance, write_results  # noqa: E402
 from common.clients import sync_client  # noqa: E402
 from common.protocol import Keys, SamplingParams, StreamMeta, Submit, Token, encode, now  # noqa: E402
 from common.resultlog import publish_results  # noqa: E402
@@ -146,6 +146,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--repeats", type=int, default=200)
     args = parser.parse_args()
+    started = provenance()
     result: dict[str, object] = {"stack": stack(args)}
     single_url = f"redis://127.0.0.1:{free_port()}/0"
     server, cluster = start_redis(single_url), start_cluster()
@@ -157,7 +158,7 @@ def main() -> None:
         server.terminate()
         server.wait()
         cluster.stop()
-    (RESULTS / "cluster.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_results("cluster", started, result)
     print(json.dumps({"stack": result["stack"]["median"], "publish_ms": result["publish_ms"],
                       "admit_ms": result["admit_ms"]}, indent=2))
 

@@ -22,7 +22,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.stack_throughput import RESULTS  # noqa: E402
+from bench.provenance import provenance, update_results  # noqa: E402
 from llmserve.bench.client import Sampling, Target  # noqa: E402
 from llmserve.bench.run import Level, run_level  # noqa: E402
 from llmserve.bench.workload import Lengths, make_jobs  # noqa: E402
@@ -117,8 +117,8 @@ def main() -> None:
     parser.add_argument("--scaling-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3, help="requests per stream slot in the scaling runs")
     args = parser.parse_args()
-    out = RESULTS / "control_plane.json"
-    result = json.loads(out.read_text()) if out.exists() else {}
+    started = provenance()
+    result: dict[str, object] = {}
     if args.part in ("fanout", "both"):
         result["fanout"] = []
         for step_ms in args.fanout_step_ms:
@@ -126,7 +126,7 @@ def main() -> None:
             print(json.dumps(result["fanout"][-1]), flush=True)
     if args.part in ("scaling", "both"):
         result["scaling"] = scaling(args.workers, args.scaling_step_ms, args.scaling_tokens, args.rounds)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    update_results("control_plane", started, result)
     print(json.dumps(result, indent=2))
 
 

@@ -5,13 +5,13 @@ step of the default model (the worker's own forward, worker/forward.py) at a few
 the time spent in fbgemm's int8 calls (by torch's profiler, over separate steps), then the host's memory
 read bandwidth (a sum over a buffer much larger than the caches). The kernels' share bounds what a leaner
 forward could gain; the bytes read over the bandwidth bound what any forward of these weights and this cache
-could reach on this host. Prints one row per batch size; writes bench/results/decode_step.json.
+could reach on this host. Prints one row per batch size; writes bench/results/decode_step-<host kind>.json
+(decode_step_ctx<N>-... at another --context).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 import worker.quant as quant  # noqa: E402
-from bench.stack_throughput import RESULTS  # noqa: E402
+from bench.provenance import provenance, write_results  # noqa: E402
 from common.settings import Settings  # noqa: E402
 from worker.cache import new_cache  # noqa: E402
 from worker.forward import Part, forward_parts  # noqa: E402
@@ -98,28 +98,29 @@ def take_turns(model: torch.nn.Module, rows: int, context: int, steps: int,
 
 
 def write_levels(args: argparse.Namespace, levels: list[dict], **extra: object) -> None:
-    """A decode bench's results, with its setup (and `extra` results, where not None), to args.out."""
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"setup": {"context": args.context, "steps": args.steps, "threads": args.threads,
-                                              "cpu_capability": torch.backends.cpu.get_cpu_capability()},
-                                    **{k: v for k, v in extra.items() if v is not None},
-                                    "levels": levels}, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    """A decode bench's results, with its setup (and `extra` results, where not None), to args.out or to its
+    benchmark's file."""
+    result = {"setup": {"context": args.context, "steps": args.steps, "threads": args.threads,
+                        "cpu_capability": torch.backends.cpu.get_cpu_capability()},
+              **{k: v for k, v in extra.items() if v is not None}, "levels": levels}
+    print(f"wrote {write_results(args.benchmark, args.started, result, args.out)}")
 
 
-def parse_and_load(description: str, steps: int, out: Path,
+def parse_and_load(description: str, steps: int, benchmark: str,
                    calls: bool = False) -> tuple[argparse.Namespace, torch.nn.Module]:
     """The decode benches' arguments (with `calls`, a --calls flag too), and the default model loaded with their
-    thread count."""
+    thread count. A run at another --context than 64 is a benchmark of its own (`<benchmark>_ctx<N>`)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32])
     parser.add_argument("--context", type=int, default=64, help="tokens already in each row's cache")
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=out)
+    parser.add_argument("--out", type=Path, help=f"default: bench/results/{benchmark}-<host kind>.json")
     if calls:
         parser.add_argument("--calls", action="store_true", help="first, what one kernel call costs beyond its work")
     args = parser.parse_args()
+    args.started = provenance()
+    args.benchmark = benchmark if args.context == 64 else f"{benchmark}_ctx{args.context}"
     torch.set_num_threads(args.threads)
     return args, load_model(Settings(worker_threads=args.threads)).model
 
@@ -157,7 +158,7 @@ def measure(model: torch.nn.Module, rows: int, context: int, steps: int) -> dict
 
 
 def main() -> None:
-    args, model = parse_and_load(__doc__.splitlines()[0], 30, RESULTS / "decode_step.json")
+    args, model = parse_and_load(__doc__.splitlines()[0], 30, "decode_step")
     levels = [measure(model, rows, args.context, args.steps) for rows in args.rows]
     weights, bandwidth = int8_weight_bytes(model), read_bandwidth()
     print(f"int8 weights read per step: {weights / 1e6:.0f} MB; host read bandwidth {bandwidth / 1e9:.1f} GB/s")
@@ -172,12 +173,7 @@ def main() -> None:
     if first["rows"] == 1:
         print(f"batch 1: {1e3 / first['step_ms']:.1f} tok/s now; with nothing but the int8 kernels "
               f"{1e3 / first['int8_kernel_ms']:.1f}; at the bandwidth floor {1e3 / first['floor_ms']:.1f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"setup": {"context": args.context, "steps": args.steps, "threads": args.threads,
-                                              "cpu_capability": torch.backends.cpu.get_cpu_capability()},
-                                    "int8_weight_bytes": weights, "read_bandwidth_bytes_per_s": bandwidth,
-                                    "levels": levels}, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_levels(args, levels, int8_weight_bytes=weights, read_bandwidth_bytes_per_s=bandwidth)
 
 
 if __name__ == "__main__":

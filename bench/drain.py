@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import bench.chaos as chaos  # noqa: E402
+from bench.provenance import provenance, write_results  # noqa: E402
 from llmserve.launcher import private_stack  # noqa: E402
 
 
@@ -55,14 +56,14 @@ def main() -> None:
     parser.add_argument("--engine", choices=["hf", "sim"], default="hf")
     args = parser.parse_args()
     chaos.TOKENS = args.tokens  # the streams' body() reads it
+    provenance_at_start = provenance()
     report: dict[str, object] = {"streams": args.streams, "tokens_per_stream": args.tokens, "engine": args.engine}
     for mode in ("auto", "finish"):
         started = time.monotonic()
         result = run_mode(mode, args)
         print(mode, json.dumps(result), f"({time.monotonic() - started:.0f} s)", flush=True)
         report[mode] = result
-    out = ROOT / "bench" / "results" / f"drain_{args.engine}.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_results(f"drain_{args.engine}", provenance_at_start, report)
     print(json.dumps(report, indent=2))
 
 

@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.stack_throughput import RESULTS  # noqa: E402
+from bench.provenance import provenance, write_results  # noqa: E402
 from common import grammar  # noqa: E402
 from common.protocol import SamplingParams  # noqa: E402
 from common.settings import Settings  # noqa: E402
@@ -253,6 +253,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=120)
     parser.add_argument("--compare", action="store_true", help="also time xgrammar and outlines-core if installed")
     args = parser.parse_args()
+    started = provenance()
     loaded = load_model(Settings(worker_threads=args.threads))
     loaded.grammars.index()
     print(f"engine block {engine_module.DEFAULT_BLOCK_CPU}, {args.threads} threads")
@@ -261,9 +262,7 @@ def main() -> None:
                "valid_rate": valid_rate(loaded, args.max_tokens)}
     if args.compare:
         results["libraries"] = compare(loaded)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "grammar.json").write_text(json.dumps(results, indent=2))
-    print(f"wrote {RESULTS / 'grammar.json'}")
+    print(f"wrote {write_results('grammar', started, results)}")
 
 
 if __name__ == "__main__":

@@ -8,13 +8,12 @@ resumers: a 200-token stream dropped after its first event, then R clients resum
     Last-Event-ID; how many got the whole stream (201 events), how many hung (no end within --read-s), and
     when the last one ended after the first.
 
-Writes bench/results/hostile.json (one record per run label: --label before / after)."""
+Writes bench/results/hostile-<host kind>.json (one record per run label: --label before / after)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 from pathlib import Path
@@ -25,9 +24,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.provenance import provenance  # noqa: E402
-
-RESULTS = ROOT / "bench" / "results" / "hostile.json"
+from bench.provenance import provenance, update_results  # noqa: E402
 
 
 def chain(rules: int) -> str:
@@ -125,7 +122,7 @@ def main() -> None:
     parser.add_argument("--burst", type=int, default=3000, help="the chain's rules in the four-at-once burst")
     parser.add_argument("--readers", type=int, nargs="+", default=[1, 3, 200])
     parser.add_argument("--read-s", type=float, default=40.0, help="a resume with no end within this hangs")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, help="default: bench/results/hostile-<host kind>.json")
     args = parser.parse_args()
     record: dict[str, object] = {"provenance": provenance()}
     record["grammars"] = asyncio.run(grammars(args.url, args.model, args.sizes, args.burst))
@@ -137,9 +134,7 @@ def main() -> None:
     for row in record["resumers"]:  # type: ignore[attr-defined]
         print(f"{row['readers']:>4} resumers: {row['whole']} whole, {row['hung']} hung, other {row['other']}, "
               f"last ended {row['last_ended_after_first_s']} s after the first")
-    results = json.loads(args.out.read_text()) if args.out.exists() else {}
-    results[args.label] = record
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    update_results("hostile", record["provenance"], {args.label: record}, args.out)  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":

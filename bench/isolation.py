@@ -28,6 +28,7 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.provenance import provenance, update_results  # noqa: E402
 from llmserve.bench.stats import describe  # noqa: E402
 from llmserve.launcher import private_stack  # noqa: E402
 
@@ -170,6 +171,7 @@ def main() -> None:
     parser.add_argument("--buffer-bytes", type=int, default=64 << 10, help="CLIENT_BUFFER_BYTES")
     parser.add_argument("--seconds", type=float, default=90)
     args = parser.parse_args()
+    started = provenance()
     out = {}
     if args.part in ("fairness", "all"):
         out["fairness"] = fairness(args)
@@ -177,9 +179,7 @@ def main() -> None:
         out["memory"] = memory(args)
     if args.part in ("slow-readers", "all"):
         out["slow_readers"] = slow_readers(args)
-    path = ROOT / "bench" / "results" / "isolation.json"
-    previous = json.loads(path.read_text()) if path.exists() else {}
-    path.write_text(json.dumps({**previous, **out}, indent=2) + "\n")
+    update_results("isolation", started, out)
 
 
 if __name__ == "__main__":

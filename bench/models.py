@@ -7,7 +7,7 @@ dispatch: ENGINE=sim stacks of 4 workers, all of one model, then 2 + 2 of two mo
     --rounds rounds under the same load (half the streams per model in the second); output tokens/s, time to
     first token, and the scheduler's CPU seconds per 1,000 requests.
 
-Writes bench/results/models.json (each part under its own key; `mix` under --label)."""
+Writes bench/results/models-<host kind>.json (each part under its own key; `mix` under --label)."""
 
 from __future__ import annotations
 
@@ -24,13 +24,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.control_plane import service, sim_settings  # noqa: E402
-from bench.provenance import provenance  # noqa: E402
+from bench.provenance import provenance, results_path, update_results  # noqa: E402
 from llmserve.bench.client import Sampling, Target  # noqa: E402
 from llmserve.bench.run import Level, run_level  # noqa: E402
 from llmserve.bench.workload import Lengths, make_jobs  # noqa: E402
 from llmserve.launcher import private_stack  # noqa: E402
-
-RESULTS = ROOT / "bench" / "results" / "models.json"
 
 
 def mix(url: str, models: list[str], requests: int) -> dict[str, object]:
@@ -103,18 +101,19 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--step-ms", type=float, default=50.0)
     args = parser.parse_args()
-    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    started = provenance()
+    path = results_path("models", started)
+    results = json.loads(path.read_text()) if path.exists() else {}
     if args.part == "mix":
-        record = {"provenance": provenance(), **mix(args.url, args.models, args.requests)}
-        results.setdefault("mix", {})[args.label] = record
+        record = {"provenance": started, **mix(args.url, args.models, args.requests)}
+        update_results("models", started, {"mix": {**results.get("mix", {}), args.label: record}})
         print(f"{args.label}: {record['wrong_model_answers']} of {args.requests} answers from another model's "
               f"worker ({record['failed']} failed)")
     else:
-        record = {"provenance": provenance(), **dispatch(args.rounds, args.streams, args.dispatch_requests,
-                                                         args.tokens, args.step_ms)}
-        results["dispatch"] = record
+        record = {"provenance": started, **dispatch(args.rounds, args.streams, args.dispatch_requests,
+                                                    args.tokens, args.step_ms)}
+        update_results("models", started, {"dispatch": record})
         print(json.dumps(record["medians"], indent=1), json.dumps(record["two_over_one"], indent=1))
-    RESULTS.write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":

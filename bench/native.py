@@ -2,7 +2,7 @@
 taking turns step by step in one process over the same cache (each step's token is taken back out of the
 cache, so that both see the same context). Their logits differ by float rounding, so each pair is compared by
 cosine and by the chosen token. Prints the median step of each and their ratio per batch size; writes
-bench/results/native.json.
+bench/results/native-<host kind>.json.
 
 With --calls, first what one call costs beyond its arithmetic: a tiny int8 product (16 x 16) through fbgemm's op
 with the packed weights passed as the ScriptObject they are, and through worker/native.cpp's int8_linear with
@@ -23,7 +23,6 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench.decode_step import parse_and_load, take_turns, write_levels  # noqa: E402
-from bench.stack_throughput import RESULTS  # noqa: E402
 from worker import native  # noqa: E402
 from worker.quant import Int8Linear, use_native  # noqa: E402
 from worker.scripted import ACT_MAX, ACT_ZERO_POINT  # noqa: E402
@@ -63,7 +62,7 @@ def measure(model: torch.nn.Module, rows: int, context: int, steps: int) -> dict
 
 
 def main() -> None:
-    args, model = parse_and_load(__doc__.splitlines()[0], 40, RESULTS / "native.json", calls=True)
+    args, model = parse_and_load(__doc__.splitlines()[0], 40, "native", calls=True)
     if not model.model.layers[0].native:
         sys.exit("worker/native.cpp did not build here (see the worker's warning); nothing to compare")
     costs = call_costs() if args.calls else None

@@ -25,7 +25,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.stack_throughput import RESULTS  # noqa: E402
+from bench.provenance import provenance, write_results  # noqa: E402
 from llmserve.bench.client import Sampling, Target  # noqa: E402
 from llmserve.bench.plot import plot_sweeps  # noqa: E402
 from llmserve.bench.run import HEADER, Level, discover_model, format_row, run_level  # noqa: E402
@@ -94,12 +94,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3,
                         help="turns of every server; each level reports its median round by output tok/s")
-    parser.add_argument("--out", default=str(RESULTS / "peers.json"))
+    parser.add_argument("--out", help="default: bench/results/peers-<host kind>.json (and its plot beside it)")
     parser.add_argument("--scripted-too", action="store_true",
                         help="a second llmserve series with WORKER_NATIVE=off (worker/native.cpp's kernels off)")
     parser.add_argument("--int8-too", action="store_true",
                         help="a llmserve series with WORKER_QUANT=int8 (worker/quant.py instead of the GGUF blocks)")
     args = parser.parse_args()
+    started = provenance()
     gguf, threads, logs = bundled_gguf(), str(args.threads), Path("/tmp")
 
     peers = {
@@ -140,8 +141,8 @@ def main() -> None:
               "series": series, "llmserve_over_llama_server": ratios,
               "rounds_output_tok_s": {name: [[level["output_tok_s"] for level in run] for run in runs]
                                       for name, runs in rounds.items()}}
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    plot_sweeps(series, Path(args.out).with_suffix(".png"), title=f"{args.new_tokens} new tokens, greedy, same GGUF")
+    out = write_results("peers", started, result, args.out)
+    plot_sweeps(series, out.with_suffix(".png"), title=f"{args.new_tokens} new tokens, greedy, same GGUF")
     print(json.dumps(ratios, indent=2))
 
 

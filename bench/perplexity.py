@@ -30,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.stack_throughput import RESULTS  # noqa: E402
+from bench.provenance import provenance, write_results  # noqa: E402
 from common.settings import Settings  # noqa: E402
 from worker.model import LoadedModel, bundled_gguf, load_model  # noqa: E402
 from worker.quant import quantize_int8  # noqa: E402
@@ -73,6 +73,7 @@ def main() -> None:
     parser.add_argument("--llama-perplexity", metavar="BIN",
                         help="also run llama.cpp's llama-perplexity on the same text and GGUF file")
     args = parser.parse_args()
+    provenance_at_start = provenance()
 
     text, source = corpus()
     models = {quant: load_model(Settings(worker_threads=args.threads, worker_quant=quant))
@@ -122,7 +123,7 @@ def main() -> None:
         result["llama_perplexity"] = peer(args.llama_perplexity, text, count, args.threads)
         result["over_float32"]["llama_perplexity"] = {
             "second_half": result["llama_perplexity"]["second_half"] / perplexity["none"]["second_half"]}
-    (RESULTS / "perplexity.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_results("perplexity", provenance_at_start, result)
     print(json.dumps(result, indent=2))
 
 

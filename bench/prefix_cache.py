@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.peers import LLAMA_SERVER, peer_server  # noqa: E402
-from bench.stack_throughput import RESULTS  # noqa: E402
+from bench.provenance import provenance, write_results  # noqa: E402
 from llmserve.bench.client import Sampling, Target  # noqa: E402
 from llmserve.bench.run import HEADER, Level, discover_model, format_row, run_level  # noqa: E402
 from llmserve.bench.workload import Lengths, make_jobs  # noqa: E402
@@ -97,9 +97,10 @@ def main() -> None:
     parser.add_argument("--shared-tokens", type=int, default=1000)
     parser.add_argument("--question-tokens", type=int, default=12)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS / "prefix_cache.json")
+    parser.add_argument("--out", type=Path, help="default: bench/results/prefix_cache-<host kind>.json")
     parser.add_argument("--llama-server", help=f"llama.cpp's server binary, a third series (e.g. {LLAMA_SERVER})")
     args = parser.parse_args()
+    started = provenance()
 
     modes = [*MODES, "llama-server"] if args.llama_server else list(MODES)
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
@@ -128,7 +129,7 @@ def main() -> None:
                         "output_tokens": 16, "threads": args.threads, "greedy": True,
                         "prefix_cache_bytes": MODES},
               "summary": summary, "runs": runs}
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_results("prefix_cache", started, result, args.out)
     print(json.dumps(summary, indent=2))
 
 

@@ -1,9 +1,14 @@
 """Where and from what a benchmark's figures came, written into each results file: the host, its CPU and the
 instruction sets that decide which kernels run, any GPU, the commit (and whether the tree had changes), the
-command line, the load when it started, and the time."""
+command line, the load when it started, and the time.
+
+Results are data: bench/results/<benchmark>-<host kind>.json holds the current run of one benchmark on one kind
+of host, and a new run on a host of that kind replaces it (earlier runs are in git's history). bench/tables.py
+renders the documentation's tables from these files."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shutil
@@ -13,6 +18,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
 # The flags of /proc/cpuinfo that the CPU kernels (ours and the peers') choose between.
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_vnni", "avx512_bf16",
              "avx_vnni", "amx_tile")
@@ -30,6 +36,33 @@ def provenance() -> dict[str, object]:
 def host_kind(record: dict[str, object]) -> str:
     """avx512 or avx2: the kind of x86 host a figure holds for (the README keeps one table per kind)."""
     return "avx512" if "avx512f" in record.get("isa", []) else "avx2"  # type: ignore[operator]
+
+
+def results_path(benchmark: str, started: dict[str, object]) -> Path:
+    """Where a run of `benchmark` on this host goes: one file per benchmark and host kind."""
+    return RESULTS / f"{benchmark}-{host_kind(started)}.json"
+
+
+def write_results(benchmark: str, started: dict[str, object], result: dict[str, object],
+                  out: Path | str | None = None) -> Path:
+    """Writes one run, with the provenance taken as it started, to `out` or to its benchmark's file."""
+    path = Path(out) if out else results_path(benchmark, started)
+    record = {"benchmark": benchmark, "host_kind": host_kind(started), "provenance": started, **result}
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path
+
+
+def update_results(benchmark: str, started: dict[str, object], parts: dict[str, object],
+                   out: Path | str | None = None) -> Path:
+    """For a benchmark run in parts: replaces the parts run now and keeps the others, naming in `provenance_of`
+    the run (commit, time, command) each part comes from; the file's own provenance is the latest run's."""
+    path = Path(out) if out else results_path(benchmark, started)
+    previous = json.loads(path.read_text()) if path.exists() else {}
+    ran = {part: {key: started[key] for key in ("commit", "at", "command")} for part in parts}
+    record = {**previous, "benchmark": benchmark, "host_kind": host_kind(started), "provenance": started, **parts,
+              "provenance_of": {**previous.get("provenance_of", {}), **ran}}
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path
 
 
 def _cpu() -> tuple[str, set[str]]:

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -27,6 +26,7 @@ from transformers import DynamicCache
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.provenance import provenance, write_results  # noqa: E402
 from common.protocol import SamplingParams  # noqa: E402
 from common.settings import Settings  # noqa: E402
 from worker.engine import Engine, left_padded  # noqa: E402
@@ -138,6 +138,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed per ms/step measurement")
     args = parser.parse_args()
+    started = provenance()
     models = {quant: load_model(Settings(worker_quant=quant, worker_threads=args.threads))
               for quant in ("none", "int8")}
     fp32, int8 = models["none"], models["int8"]
@@ -193,7 +194,7 @@ def main() -> None:
         "threads": args.threads, "rounds": args.rounds, "speed_tokens": SPEED_TOKENS,
         "speed_median": medians, "speed_rounds": speed, "answers": rows,
     }
-    (ROOT / "bench" / "results" / "quality.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_results("quality", started, result)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ For every break: the gap the client sees between the last token before the break
 after the resume, and the time from the break to the resumed response's headers (a new connection,
 the request, the logs read); for every stream: tokens lost and tokens received twice (both must be 0) and
 whether its text equals the unbroken text. ENGINE=sim by default (texts known in advance);
---engine hf uses the real model, greedy, against an unbroken run. Writes bench/results/resume.json."""
+--engine hf uses the real model, greedy, against an unbroken run. Writes
+bench/results/resume_<engine>-<host kind>.json."""
 
 from __future__ import annotations
 
@@ -31,11 +32,10 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.provenance import provenance, write_results  # noqa: E402
 from common.protocol import SamplingParams, Submit  # noqa: E402
 from llmserve.launcher import PrivateStack, free_port, private_stack, wait_until  # noqa: E402
 from worker.sim import VOCAB, SimModel, sim_token  # noqa: E402
-
-RESULTS = ROOT / "bench" / "results" / "resume.json"
 
 
 @dataclass
@@ -223,8 +223,9 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=5, help="rounds of kill -9 (kill scenario)")
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--step-ms", type=float, default=20.0, help="with --engine sim: the step time")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, help="default: bench/results/resume_<engine>-<host kind>.json")
     args = parser.parse_args()
+    started = provenance()
     greedy = args.engine == "hf"
     tokens = min(args.tokens, 96) if greedy else args.tokens
     settings = {"ENGINE": args.engine, "SIM_STEP_MS": str(args.step_ms), "SIM_STEP_PER_SEQ_MS": "0",
@@ -257,9 +258,7 @@ def main() -> None:
             killed += streams
         report["kill"] = summary(killed, expected)
         print("kill:", json.dumps(report["kill"]), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    print(f"wrote {write_results(f'resume_{args.engine}', started, report, args.out)}")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.stack_throughput import RESULTS  # noqa: E402
+from bench.provenance import provenance, write_results  # noqa: E402
 from llmserve.bench.client import Sampling, Target  # noqa: E402
 from llmserve.bench.run import HEADER, Level, discover_model, format_row, run_level  # noqa: E402
 from llmserve.bench.workload import Lengths, make_jobs  # noqa: E402
@@ -55,8 +55,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=str(RESULTS / "sampling.json"))
+    parser.add_argument("--out", help="default: bench/results/sampling-<host kind>.json")
     args = parser.parse_args()
+    started = provenance()
     settings = {"WORKER_THREADS": str(args.threads), "LOG_LEVEL": "WARNING"}
     rounds = []
     with private_stack(1, **settings) as running:
@@ -78,7 +79,7 @@ def main() -> None:
                         "rounds": args.rounds, "threads": args.threads,
                         "workloads": {name: {"api": api, **vars(s)} for name, (api, s) in WORKLOADS.items()}},
               "summary": summary, "rounds": rounds}
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_results("sampling", started, result, args.out)
     print(json.dumps(summary, indent=2))
 
 

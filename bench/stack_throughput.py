@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT))
 
+from bench.provenance import RESULTS, provenance, write_results  # noqa: E402,F401 (RESULTS: other benches' import)
 from common.settings import Settings  # noqa: E402
 from llmserve.bench.client import Sampling, Target  # noqa: E402
 from llmserve.bench.run import Level, run_level  # noqa: E402
@@ -101,8 +101,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--skip-seed", action="store_true")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "stack_throughput.json"))
+    parser.add_argument("--out", help="default: bench/results/stack_throughput-<host kind>.json")
     args = parser.parse_args()
+    started = provenance()
 
     torch.set_num_threads(args.threads)
     loaded = load_model(Settings(worker_threads=args.threads))
@@ -141,8 +142,7 @@ def main() -> None:
         "c1_itl_p50_s": stack1["itl_s"]["p50"], "c1_itl_p99_s": stack1["itl_s"]["p99"],
         "stack_rounds_tok_s": [r["output_tok_s"] for r in stack16], "generate_rounds_tok_s": generate16,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_results("stack_throughput", started, result, args.out)
     print(json.dumps(result, indent=2))
 
 

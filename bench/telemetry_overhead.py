@@ -14,6 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.provenance import provenance, write_results  # noqa: E402
 from bench.stack_throughput import PROMPTS, stack_round  # noqa: E402
 from gateway import metrics as gateway_metrics  # noqa: E402
 from llmserve.launcher import private_stack  # noqa: E402
@@ -39,6 +40,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args()
+    started = provenance()
     rates: dict[str, list[float]] = {"traced": [], "untraced": []}
     for _ in range(args.rounds):
         for name, ttl in (("traced", "600"), ("untraced", "0")):
@@ -51,7 +53,7 @@ def main() -> None:
     result = {"traced_tok_s_median": traced, "untraced_tok_s_median": untraced,
               "traced_over_untraced": traced / untraced, "rounds": rates, "metrics_cost_per_token_us": cost_us,
               "metrics_share_of_cpu_at_traced_rate": cost_us * 1e-6 * traced}
-    (ROOT / "bench" / "results" / "telemetry_overhead.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_results("telemetry_overhead", started, result)
     print(json.dumps(result, indent=2))
 
 

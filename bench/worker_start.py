@@ -21,7 +21,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.stack_throughput import RESULTS  # noqa: E402
+from bench.provenance import provenance, write_results  # noqa: E402
 from llmserve.bench.client import Sampling, Target, stream  # noqa: E402
 from llmserve.bench.run import Level, run_level  # noqa: E402
 from llmserve.bench.workload import Job, Lengths, make_jobs  # noqa: E402
@@ -47,12 +47,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    started = provenance()
     rounds = []
     for _ in range(args.rounds):
         rounds.append(one_start(args.threads))
         print(json.dumps(rounds[-1]), flush=True)
     result = {"rounds": rounds, **{f"median_{key}": statistics.median(r[key] for r in rounds) for key in rounds[0]}}
-    (RESULTS / "worker_start.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_results("worker_start", started, result)
     print(json.dumps(result, indent=2))
 
 
