@@ -21,6 +21,7 @@ from msgspec.structs import replace
 from common import grammar as grammars
 from common.protocol import ChatMessage, Detokenize, SamplingParams, Submit, Tokenize
 from common.settings import Settings
+from tests.conftest import run_engine
 from worker.core import Engine, GrammarError, Model, PromptTooLong, StepOutput
 
 # What vLLM runs with here: small and eager, so that one start takes seconds, not minutes.
@@ -58,28 +59,10 @@ class Subject:
         return self.run({0: [("x", self.ids(text), params, resume)]})["x"]
 
 
-def run_engine(engine: Engine, arrivals: dict[int, list]) -> dict[str, list[StepOutput]]:
-    """Step `engine` until it has no work left, adding each (request id, prompt ids, params, resume) at its step;
-    returns each request's outputs in order."""
-    outputs: dict[str, list[StepOutput]] = {}
-    step = 0
-    while engine.has_work() or any(at >= step for at in arrivals):
-        for request_id, ids, params, *resume in arrivals.get(step, []):
-            engine.add(request_id, ids, params, *resume)
-        for out in engine.step().outputs:
-            outputs.setdefault(out.request_id, []).append(out)
-        step += 1
-    return outputs
-
-
 def _hf(request: pytest.FixtureRequest) -> Iterator[Subject]:
     from worker.engine import Engine as OwnEngine
-    from worker.model import load_model
 
-    try:  # the session's model where conftest loads one for every engine test, else this module's own
-        loaded = request.getfixturevalue("loaded")
-    except pytest.FixtureLookupError:
-        loaded = load_model(Settings(worker_threads=1))
+    loaded = request.getfixturevalue("loaded")  # the session's model (tests/conftest.py)
     yield Subject("hf", loaded, OwnEngine(loaded, 8))
 
 

@@ -13,7 +13,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -95,6 +95,14 @@ def stream(running: PrivateStack, started: list[str] | None = None) -> tuple[lis
             else:
                 final = event
     return indexes, text, final
+
+
+def tally(results: list[tuple[list[int], str, dict]], reference: str) -> tuple[int, int, int]:
+    """Streams whole (every index once, the unbroken run's text), tokens lost, tokens repeated."""
+    whole = sum(indexes == list(range(TOKENS)) and text == reference for indexes, text, _ in results)
+    lost = sum(len(set(range(TOKENS)) - set(indexes)) for indexes, _, _ in results)
+    repeated = sum(len(indexes) - len(set(indexes)) for indexes, _, _ in results)
+    return whole, lost, repeated
 
 
 def restore_workers(running: PrivateStack, count: int = 2) -> None:
@@ -216,51 +224,49 @@ def test_a_broken_stream_resumes_from_its_last_event(vllm_stack: PrivateStack, r
     assert "".join(e["token"] for e in tokens) == reference
 
 
-def test_kill_9_of_a_worker_mid_stream_loses_and_repeats_nothing(vllm_stack: PrivateStack, reference: str) -> None:
-    restore_workers(vllm_stack)  # a worker started only where one is missing: each start costs seconds
-    streams = 6
+STREAMS = 6
+
+
+def streams_with_fault(running: PrivateStack, fault: Callable[[str], dict]) -> tuple[list, dict]:
+    """STREAMS of LONG at once on two workers; once each is past its fourth token, `fault(victim)` hits the worker
+    holding the most of them. Returns the streams' results, and what `fault` returned with how many it held."""
+    restore_workers(running)  # a worker started only where one is missing: each start costs seconds
     started: list[str] = []
-    with ThreadPoolExecutor(streams) as pool:
-        running = [pool.submit(stream, vllm_stack, started) for _ in range(streams)]
-        r = client_of(vllm_stack)
-        wait_for(lambda: len(started) == streams and all(r.llen(KEYS.progress(rid)) >= 4 for rid in started), 300,
+    with ThreadPoolExecutor(STREAMS) as pool:
+        streams = [pool.submit(stream, running, started) for _ in range(STREAMS)]
+        r = client_of(running)
+        wait_for(lambda: len(started) == STREAMS and all(r.llen(KEYS.progress(rid)) >= 4 for rid in started), 300,
                  "every stream past its fourth token", 0.05)
-        victim = max((h := held(vllm_stack)), key=h.__getitem__)
-        moved = h[victim]
-        os.kill(pid_of(victim), signal.SIGKILL)
-        results = [s.result() for s in running]
-    whole = sum(indexes == list(range(TOKENS)) and text == reference for indexes, text, _ in results)
-    lost = sum(len(set(range(TOKENS)) - set(indexes)) for indexes, _, _ in results)
-    repeated = sum(len(indexes) - len(set(indexes)) for indexes, _, _ in results)
-    print(f"ENGINE=vllm kill -9 with {streams} streams ({moved} on the killed worker): {whole}/{streams} whole, "
-          f"{lost} tokens lost, {repeated} repeated")
-    assert (whole, lost, repeated) == (streams, 0, 0) and moved > 0
+        holders = held(running)
+        victim = max(holders, key=holders.__getitem__)
+        seen = {"held": holders[victim], **fault(victim)}
+        return [s.result() for s in streams], seen
+
+
+def test_kill_9_of_a_worker_mid_stream_loses_and_repeats_nothing(vllm_stack: PrivateStack, reference: str) -> None:
+    results, seen = streams_with_fault(vllm_stack, lambda victim: os.kill(pid_of(victim), signal.SIGKILL) or {})
+    whole, lost, repeated = tally(results, reference)
+    print(f"ENGINE=vllm kill -9 with {STREAMS} streams ({seen['held']} on the killed worker): {whole}/{STREAMS} "
+          f"whole, {lost} tokens lost, {repeated} repeated")
+    assert (whole, lost, repeated) == (STREAMS, 0, 0) and seen["held"] > 0
     assert all(final["completion_tokens"] == TOKENS for _, _, final in results)
 
 
 def test_sigterm_drains_a_worker_and_every_stream_ends_whole(vllm_stack: PrivateStack, reference: str) -> None:
-    restore_workers(vllm_stack)
-    streams = 6
-    started: list[str] = []
-    with ThreadPoolExecutor(streams) as pool:
-        running = [pool.submit(stream, vllm_stack, started) for _ in range(streams)]
-        r = client_of(vllm_stack)
-        wait_for(lambda: len(started) == streams and all(r.llen(KEYS.progress(rid)) >= 4 for rid in started), 300,
-                 "every stream past its fourth token", 0.05)
-        victim = max((h := held(vllm_stack)), key=h.__getitem__)
+    r = client_of(vllm_stack)
+
+    def drain(victim: str) -> dict:
         process = next(p for name, p in vllm_stack.stack.processes if name == "worker" and p.pid == pid_of(victim))
         sent = time.monotonic()
         process.send_signal(signal.SIGTERM)
         wait_for(lambda: not r.sismember(KEYS.workers, victim), 60, "the drained worker leaving", 0.02)
         left_s = time.monotonic() - sent
-        code = process.wait(60)
-        exit_s = time.monotonic() - sent
-        results = [s.result() for s in running]
-    whole = sum(indexes == list(range(TOKENS)) and text == reference for indexes, text, _ in results)
-    lost = sum(len(set(range(TOKENS)) - set(indexes)) for indexes, _, _ in results)
-    repeated = sum(len(indexes) - len(set(indexes)) for indexes, _, _ in results)
-    print(f"ENGINE=vllm SIGTERM with {streams} streams ({h[victim]} on the drained worker): it handed them off and "
-          f"left {left_s:.2f} s later (its process exited after {exit_s:.2f} s, vLLM's teardown), "
-          f"{whole}/{streams} whole, {lost} tokens lost, {repeated} repeated")
-    assert code == 0
-    assert (whole, lost, repeated) == (streams, 0, 0)
+        return {"code": process.wait(60), "left_s": left_s, "exit_s": time.monotonic() - sent}
+
+    results, seen = streams_with_fault(vllm_stack, drain)
+    whole, lost, repeated = tally(results, reference)
+    print(f"ENGINE=vllm SIGTERM with {STREAMS} streams ({seen['held']} on the drained worker): it handed them off "
+          f"and left {seen['left_s']:.2f} s later (its process exited after {seen['exit_s']:.2f} s, vLLM's "
+          f"teardown), {whole}/{STREAMS} whole, {lost} tokens lost, {repeated} repeated")
+    assert seen["code"] == 0
+    assert (whole, lost, repeated) == (STREAMS, 0, 0)

@@ -91,17 +91,25 @@ class PrefixStore(Generic[B]):
 class HeldPrefixes:
     """Which text keys (common/prefix.py) the worker's cache can serve, for its heartbeat. A key maps to the
     digest of the last block its text covers (estimated from the key's share of the text, one block short to
-    be safe); it is held while that block is stored. Bounded: the oldest keys are forgotten first."""
+    be safe); it is held while that block is stored. Bounded: the oldest keys are forgotten first. Another
+    engine's cache (worker/vllm_engine.py) overrides how blocks are named and looked up."""
 
-    def __init__(self, store: PrefixStore, block: int, limit: int = 4096) -> None:
+    def __init__(self, store: PrefixStore | None, block: int, limit: int = 4096) -> None:
         self.store = store
         self.block = block
         self.limit = limit
         self.keys: OrderedDict[int, bytes] = OrderedDict()
         self.lock = threading.Lock()
 
+    def digests(self, prompt_ids: Sequence[int]) -> list[bytes]:
+        """The names of the prompt's whole blocks, in order."""
+        return block_digests(prompt_ids, self.block)
+
+    def stored(self, digest: bytes) -> bool:
+        return digest in self.store
+
     def remember(self, prefixes: list[TextPrefix], prompt_ids: Sequence[int]) -> None:
-        digests = block_digests(prompt_ids, self.block)
+        digests = self.digests(prompt_ids)
         with self.lock:
             for prefix in prefixes:
                 last = int(prefix.share * len(prompt_ids)) // self.block - 2
@@ -115,4 +123,4 @@ class HeldPrefixes:
         """Up to `most` keys whose blocks are stored, the most recently admitted first."""
         with self.lock:
             entries = list(reversed(self.keys.items()))
-        return [key for key, digest in entries if digest in self.store][:most]
+        return [key for key, digest in entries if self.stored(digest)][:most]

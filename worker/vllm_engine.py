@@ -20,19 +20,18 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable
 from collections.abc import Sequence as Tokens
 from dataclasses import dataclass
 from typing import Any
 
 from common.errors import ErrorCode
-from common.prefix import TextPrefix
 from common.protocol import SamplingParams, TokenLogprob
 from common.settings import Settings, env_names
 from worker.core import GrammarError, PromptTooLong, StepKind, StepOutput, StepResult
 from worker.detokenizer import Detokenizer
+from worker.prefix import HeldPrefixes
 from worker.stops import StopMatcher
 from worker.vllm_model import VllmModel, cpu_environment, engine_arguments, hf_directory, load_tokenizer_model
 
@@ -113,34 +112,20 @@ class _Sequence:
     started: bool = False  # whether vLLM has sampled its first token here
 
 
-class VllmPrefixes:
-    """The scheduler's cache-aware routing over vLLM's prefix cache: a text key (common/prefix.py) maps to
-    the hash of the last whole block its text covers (one block short, to be safe), and is held while vLLM's
-    block pool keeps a block of that hash. Bounded: the oldest keys are forgotten first."""
+class VllmPrefixes(HeldPrefixes):
+    """The scheduler's cache-aware routing over vLLM's prefix cache (worker/prefix.py's HeldPrefixes): a block is
+    named by vLLM's own hash of it, from the request just added, and held while vLLM's block pool keeps it."""
 
-    def __init__(self, hashes_of_last: Any, block_pool: Any, block_size: int, limit: int = 4096) -> None:
+    def __init__(self, hashes_of_last: Callable[[], list[bytes]], block_pool: Any, block_size: int) -> None:
+        super().__init__(None, block_size)
         self.hashes_of_last = hashes_of_last
         self.block_pool = block_pool
-        self.block_size = block_size
-        self.limit = limit
-        self.keys: OrderedDict[int, bytes] = OrderedDict()
-        self.lock = threading.Lock()
 
-    def remember(self, prefixes: list[TextPrefix], prompt_ids: list[int]) -> None:
-        hashes = self.hashes_of_last()
-        with self.lock:
-            for prefix in prefixes:
-                last = int(prefix.share * len(prompt_ids)) // self.block_size - 2
-                if 0 <= last < len(hashes):
-                    self.keys[prefix.key] = hashes[last]
-                    self.keys.move_to_end(prefix.key)
-            while len(self.keys) > self.limit:
-                self.keys.popitem(last=False)
+    def digests(self, prompt_ids: Tokens[int]) -> list[bytes]:
+        return self.hashes_of_last()  # the worker remembers a request's keys right after adding it
 
-    def held(self, most: int = 512) -> list[int]:
-        with self.lock:
-            entries = list(reversed(self.keys.items()))
-        return [key for key, digest in entries if self.block_pool.get_cached_block(digest, [0])][:most]
+    def stored(self, digest: bytes) -> bool:
+        return self.block_pool.get_cached_block(digest, [0]) is not None
 
 
 class VllmEngine:
