@@ -84,8 +84,9 @@ def stack() -> Iterator[RunningStack]:
         yield RunningStack(running.url, sync_client(running.redis_url), Keys("test"), running.stack)
 
 
-# What a sim stack runs with unless a test says otherwise: steps of 20 ms, a worker known lost within 2 s.
-SIM_SETTINGS = {"ENGINE": "sim", "SIM_STEP_MS": "20", "HEARTBEAT_INTERVAL": "0.3", "WORKER_TTL": "2",
+# What a sim stack runs with unless a test says otherwise: its model named "sim" (the name its requests give and
+# its workers answer to), steps of 20 ms, a worker known lost within 2 s.
+SIM_SETTINGS = {"ENGINE": "sim", "MODEL": "sim", "SIM_STEP_MS": "20", "HEARTBEAT_INTERVAL": "0.3", "WORKER_TTL": "2",
                 "LOG_LEVEL": "WARNING"}
 
 

@@ -264,7 +264,7 @@ def test_a_client_back_within_the_grace_keeps_its_request_and_delete_cancels_it(
     ) as response:
         events = sse_events(response)
         got = [next(events)]
-        assert (r.zscore(lease_key(sim), rid) or 0) > lapses_at, "the lease lapsed before the client came back"
+        assert (r.zscore(lease_key(sim), rid) or 0) > lapses_at, "coming back did not extend the stream's lease"
         for event in events:  # read on past the moment the lease would have lapsed without this client
             got.append(event)
             if redis_ms(r) > lapses_at + LEASE_INTERVAL * 1000:
