@@ -134,6 +134,7 @@ def main() -> None:
                 with peer_server(server_argv(args, args.vllm_python, model, port), {**os.environ, **server_env(args)},
                                  port, Path("/tmp") / "bench-vllm-server.log") as url:
                     rounds[name].append(asyncio.run(measure(url, levels, args.new_tokens, name)))
+                write(args, started, model, rounds)
                 continue
             settings = {"WORKER_THREADS": threads, "WORKER_SLOTS": str(args.slots), "LOG_LEVEL": "WARNING",
                         "VLLM_LOGGING_LEVEL": "WARNING", **device}
@@ -145,8 +146,16 @@ def main() -> None:
                 settings |= {"ENGINE": "hf"}
             with private_stack(1, commands=commands, **settings) as stack:
                 rounds[name].append(asyncio.run(measure(stack.url, levels, args.new_tokens, name)))
-    series = {name: median_levels(runs) for name, runs in rounds.items()}
-    result = {"provenance": started, "model": model,
+            write(args, started, model, rounds)
+    print(json.dumps(write(args, started, model, rounds)["table"], indent=2))
+
+
+def write(args: argparse.Namespace, started: dict, model: str, rounds: dict[str, list[list[dict]]]) -> dict:
+    """The result so far (each series' median round of those run), written after every series: a run cut short
+    still leaves what it measured."""
+    series = {name: median_levels(runs) for name, runs in rounds.items() if runs}
+    result = {"provenance": {**started, "load_average_at_write": os.getloadavg(),
+                             "complete": all(len(runs) == args.rounds for runs in rounds.values())}, "model": model,
               "setup": {"threads": args.threads, "new_tokens": args.new_tokens, "prompt_tokens": 32, "greedy": True,
                         "concurrency": args.concurrency, "rounds": args.rounds, "slots": args.slots,
                         "max_model_len": args.max_model_len, "kv_cache_gb": args.kv_cache_gb,
@@ -155,7 +164,7 @@ def main() -> None:
               "rounds_output_tok_s": {name: [[level["output_tok_s"] for level in run] for run in runs]
                                       for name, runs in rounds.items()}}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result["table"], indent=2))
+    return result
 
 
 def table(series: dict[str, list[dict]]) -> list[dict]:
