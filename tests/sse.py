@@ -5,6 +5,7 @@ each event arrived."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -126,3 +127,36 @@ def read(url: str, path: str, method: str | None = None, body: dict | None = Non
             if upto is not None and len(got.events) >= upto:
                 break
     return got
+
+
+@dataclass
+class Reading:
+    """Streams read on threads of their own, each Streamed filling as its events arrive."""
+
+    streams: list[Streamed]
+    threads: list[threading.Thread]
+    errors: list[str]
+
+    def join(self, timeout: float) -> None:
+        """Wait for every stream to end; one still open after `timeout`, or a reader that raised, fails the test."""
+        for thread in self.threads:
+            thread.join(timeout)
+        assert not any(thread.is_alive() for thread in self.threads), "a stream hung"
+        assert not self.errors, self.errors
+
+
+def read_in_background(url: str, bodies: list[dict], timeout: float = 120.0) -> Reading:
+    """POST each body to /generate_stream and read it on a thread of its own."""
+    reading = Reading([Streamed() for _ in bodies], [], [])
+
+    def run(body: dict, into: Streamed) -> None:
+        try:
+            read(url, "/generate_stream", body=body, timeout=timeout, into=into)
+        except Exception as exc:  # reported by join(), not lost with the thread
+            reading.errors.append(f"{type(exc).__name__}: {exc}")
+
+    reading.threads = [threading.Thread(target=run, args=(body, into), daemon=True)
+                       for body, into in zip(bodies, reading.streams, strict=True)]
+    for thread in reading.threads:
+        thread.start()
+    return reading

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from dataclasses import dataclass
 
@@ -16,7 +15,7 @@ import redis
 
 from common.protocol import Keys
 from tests.conftest import dispatched_to, sim_stack, wait_for, workers_of
-from tests.sse import Streamed, read
+from tests.sse import Reading, Streamed, read_in_background
 from worker.sim import VOCAB, sim_token
 
 STREAMS = 8
@@ -36,27 +35,16 @@ class Drained:
     finished_on: dict[str, list[str]]  # the worker each stream finished on
 
 
-def start_streams(url: str, count: int) -> tuple[list[Streamed], list[threading.Thread]]:
-    streams = [Streamed() for _ in range(count)]
-    threads = [threading.Thread(target=read, args=(url, "/generate_stream"),
-                                kwargs={"body": {"prompt": "one two", "max_tokens": TOKENS}, "into": s})
-               for s in streams]
-    for thread in threads:
-        thread.start()
-    return streams, threads
-
-
-def join(threads: list[threading.Thread]) -> None:
-    for thread in threads:
-        thread.join(120)
-        assert not thread.is_alive(), "a stream hung"
+def start_streams(url: str, count: int) -> Reading:
+    return read_in_background(url, [{"prompt": "one two", "max_tokens": TOKENS}] * count)
 
 
 def drain_one(mode: str) -> Drained:
     """Start the streams on two workers, SIGTERM the busier once each of its streams has a few tokens out."""
     with sim_stack(2, **SETTINGS, DRAIN_MODE=mode) as running:
         r = redis.Redis.from_url(running.redis_url)
-        streams, threads = start_streams(running.url, STREAMS)
+        reading = start_streams(running.url, STREAMS)
+        streams = reading.streams
 
         def all_running() -> dict[str, set[str]] | None:
             held = {w.decode(): {rid.decode() for rid in r.hkeys(KEYS.assigned(w.decode()))}
@@ -73,7 +61,7 @@ def drain_one(mode: str) -> Drained:
         os.kill(process.pid, signal.SIGTERM)
         assert process.wait(60) == 0
         exited = time.monotonic()
-        join(threads)
+        reading.join(120)
         workers = {got.request_id: dispatched_to(running.url, got.request_id) for got in streams}
         finished_on = {got.request_id: workers_of(running.url, got.request_id, "finished") for got in streams}
         return Drained(worker_id, other, held[worker_id], exited - sent, streams, workers, finished_on)
@@ -115,11 +103,11 @@ def test_finish_keeps_the_streams_on_their_worker_until_they_end(drained: dict[s
 
 def test_with_no_room_elsewhere_a_worker_finishes_what_it_runs() -> None:
     with sim_stack(1, **SETTINGS) as running:
-        streams, threads = start_streams(running.url, 2)
+        reading = start_streams(running.url, 2)
         wait_for(lambda: httpx.get(f"{running.url}/health").json()["running"] == 2, 10, "both running", 0.1)
         [(_, worker)] = [(n, p) for n, p in running.stack.processes if n == "worker"]
         os.kill(worker.pid, signal.SIGTERM)
         assert worker.wait(30) == 0
-        join(threads)
-        assert [len(got.indexes) for got in streams] == [TOKENS, TOKENS]
-        assert all(len(dispatched_to(running.url, got.request_id)) == 1 for got in streams)  # none handed over
+        reading.join(30)
+        assert [len(got.indexes) for got in reading.streams] == [TOKENS, TOKENS]
+        assert all(len(dispatched_to(running.url, got.request_id)) == 1 for got in reading.streams)  # none moved

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ import redis
 from common.protocol import Keys
 from llmserve.launcher import free_port, redis_reachable
 from llmserve.launcher import wait_until as wait_for
-from tests.sse import Streamed, read
+from tests.sse import Reading, read_in_background
 
 NS = "supervise"
 KEYS = Keys(NS)
@@ -128,24 +127,9 @@ def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher]:
         stop(process)
 
 
-def stream_into(url: str, prompt: str, into: Streamed) -> None:
-    body = {"prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
-    read(url, "/generate_stream", body=body, timeout=300, into=into)
-
-
-def start_streams(url: str) -> tuple[list[Streamed], list[threading.Thread]]:
-    streams = [Streamed() for _ in PROMPTS]
-    threads = [threading.Thread(target=stream_into, args=(url, p, s), daemon=True)
-               for p, s in zip(PROMPTS, streams, strict=True)]
-    for thread in threads:
-        thread.start()
-    return streams, threads
-
-
-def finish(threads: list[threading.Thread]) -> None:
-    for thread in threads:
-        thread.join(300)
-        assert not thread.is_alive(), "a stream hung"
+def start_streams(url: str) -> Reading:
+    return read_in_background(url, [{"prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
+                                    for prompt in PROMPTS], timeout=300)
 
 
 def assigned(r: redis.Redis) -> dict[str, set[str]]:
@@ -159,20 +143,22 @@ def pid_of(worker_id: str) -> int:
 
 
 def test_a_killed_worker_is_restarted_and_its_streams_end_normally(launcher: Launcher) -> None:
-    streams, threads = start_streams(launcher.url)
-    finish(threads)
+    reading = start_streams(launcher.url)
+    reading.join(300)
+    streams = reading.streams
     expected = [s.text for s in streams]
     r = redis.Redis.from_url(launcher.redis_url)
     workers_before = {p.pid for p in launcher.children("worker")}
 
-    streams, threads = start_streams(launcher.url)
+    reading = start_streams(launcher.url)
+    streams = reading.streams
     # Kill once every stream has tokens out, so that the killed worker's requests resume with them.
     wait_for(lambda: all(len(s.tokens) >= 4 for s in streams), 120, "every stream to deliver tokens", 0.02)
     victim, running = max(assigned(r).items(), key=lambda item: len(item[1]))
     assert running and pid_of(victim) in workers_before, "the victim must be the launcher's, running streams"
     os.kill(pid_of(victim), signal.SIGKILL)
     killed_at = time.monotonic()
-    finish(threads)
+    reading.join(300)
 
     for stream, text in zip(streams, expected, strict=True):
         assert all(e.event != "error" for e in stream.events)
