@@ -3,7 +3,7 @@ by one harness (the sweep of `llmserve bench`) in one run. The servers take turn
 the machine, each alone, for several rounds, and get the same greedy workload at each
 concurrency; each level reports its median round.
 
-The peers are built outside this repository (see the README's benchmark section):
+The peers are built outside this repository (docs/benchmarks.md says how):
 `--llama-server` is llama.cpp's native server binary, `--llama-cpp-python` the Python
 of a venv with `llama-cpp-python[server]`. A peer whose path is missing is skipped.
 """

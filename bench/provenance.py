@@ -34,7 +34,10 @@ def provenance() -> dict[str, object]:
 
 
 def host_kind(record: dict[str, object]) -> str:
-    """avx512 or avx2: the kind of x86 host a figure holds for (the README keeps one table per kind)."""
+    """The kind of host a figure holds for, by what decides which kernels run (the README keeps one table per
+    kind): gpu where one is visible (the worker runs on it by default), else avx512 or avx2 by the x86 CPU's."""
+    if record.get("gpu"):
+        return "gpu"
     return "avx512" if "avx512f" in record.get("isa", []) else "avx2"  # type: ignore[operator]
 
 
