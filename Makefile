@@ -12,8 +12,15 @@ VLLM_BIN = $(VLLM_VENV)/bin
 VLLM_READY = $(VLLM_VENV)/.ready
 # The tests that need vLLM in-process; the stack tests start their vLLM workers from this venv themselves.
 VLLM_TESTS = tests/test_engine_contract.py
+# `make quick`: the pure and small tests (policy, protocol, sampling on small shapes, the sandbox, the sim engine,
+# the scheduler on a real redis-server, settings and docs checks): an answer in about a minute on 2 cores. The
+# plugins left out are those no quick test uses and every pytest start would import (seconds of it).
+QUICK_TESTS = tests/test_policy.py tests/test_protocol.py tests/test_sampling.py tests/test_sandbox.py \
+	tests/test_sim.py tests/test_scheduler.py tests/test_cache.py tests/test_results.py tests/test_vllm_engine.py \
+	tests/test_compose.py tests/test_kubernetes.py tests/test_docs.py
+QUICK_FLAGS = -q -p no:langsmith_plugin -p no:schemathesis -p no:hypothesispytest
 
-.PHONY: run test lint bench clean
+.PHONY: run test quick lint bench clean
 
 $(READY): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -45,10 +52,15 @@ test: $(READY) $(VLLM_READY)
 	$(BIN)/pytest
 	$(VLLM_BIN)/pytest -m vllm $(VLLM_TESTS)
 
+quick: $(READY)
+	$(BIN)/ruff check .
+	$(BIN)/pytest $(QUICK_FLAGS) $(QUICK_TESTS)
+
 lint: $(READY)
 	$(BIN)/ruff check .
 
-# Every figure of the README's benchmark table (about half an hour on 2 cores); JSON and plots in bench/results/.
+# The main benchmarks (about half an hour on 2 cores): JSON (and plots) in bench/results/<benchmark>-<host kind>.json;
+# then `python bench/tables.py` renders the README's and docs/benchmarks.md's tables from them.
 bench: $(READY)
 	$(BIN)/python bench/stack_throughput.py
 	$(BIN)/python bench/quality.py
