@@ -59,8 +59,8 @@ quick: $(READY)
 lint: $(READY)
 	$(BIN)/ruff check .
 
-# The main benchmarks (about half an hour on 2 cores): JSON (and plots) in bench/results/<benchmark>-<host kind>.json;
-# then `python bench/tables.py` renders the README's and docs/benchmarks.md's tables from them.
+# The main benchmarks (about half an hour on 2 cores): JSON (and plots) in bench/results/<benchmark>-<host kind>.json,
+# then the README's and docs/benchmarks.md's tables rendered from them (bench/tables.py).
 bench: $(READY)
 	$(BIN)/python bench/stack_throughput.py
 	$(BIN)/python bench/quality.py
@@ -69,6 +69,7 @@ bench: $(READY)
 	$(BIN)/python bench/peers.py
 	$(BIN)/python bench/control_plane.py both
 	$(BIN)/python bench/worker_start.py
+	$(BIN)/python bench/tables.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV)
