@@ -22,6 +22,7 @@ import redis
 import yaml
 
 from common.protocol import Keys
+from common.settings import Settings
 from llmserve.launcher import PrivateStack, wait_until
 from tests.conftest import sim_stack
 from tests.sse import Streamed, read
@@ -168,7 +169,7 @@ def test_sim_workers_scale_from_zero_out_under_a_burst_in_and_back_to_zero(autos
 
 
 def test_a_real_model_worker_scales_from_zero_for_the_first_request() -> None:
-    settings = {**SIM, "ENGINE": "hf", "NAMESPACE": "autoscale-hf", "WORKER_THREADS": "1"}
+    settings = {**SIM, "ENGINE": "hf", "MODEL": Settings().model, "NAMESPACE": "autoscale-hf", "WORKER_THREADS": "1"}
     with sim_stack(0, **settings) as running:
         controller = Controller(running, settings["NAMESPACE"], target=SLOTS, max_workers=1)
         with ThreadPoolExecutor(1) as pool:
