@@ -1,5 +1,5 @@
-"""The decode step on the GGUF file's own blocks (worker/blocks.py, the default) against the int8 layers
-(worker/quant.py, WORKER_QUANT=int8), taking turns step by step in one process: each model over its own cache
+"""The decode step on the GGUF file's own blocks (worker/weights/blocks.py, the default) against the int8 layers
+(worker/weights/quant.py, WORKER_QUANT=int8), taking turns step by step in one process: each model over its own cache
 of the same random prompts, each step's token taken back out so that every step sees the same context. Prints
 the median step of each, their ratio and the weight bytes one step reads, per batch size; writes
 bench/results/blocks-<host kind>.json.
@@ -19,11 +19,11 @@ import torch  # noqa: E402
 
 from bench.decode_step import parse_and_load, write_levels  # noqa: E402
 from common.settings import Settings  # noqa: E402
-from worker.blocks import BlockLinear  # noqa: E402
-from worker.cache import new_cache  # noqa: E402
-from worker.forward import Part, forward_parts  # noqa: E402
-from worker.model import load_model  # noqa: E402
-from worker.quant import Int8Linear  # noqa: E402
+from worker.hf.cache import new_cache  # noqa: E402
+from worker.hf.forward import Part, forward_parts  # noqa: E402
+from worker.hf.model import load_model  # noqa: E402
+from worker.weights.blocks import BlockLinear  # noqa: E402
+from worker.weights.quant import Int8Linear  # noqa: E402
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -1,7 +1,7 @@
 """Where an int8 decode step's time goes: the int8 kernel calls inside the step, against the whole step.
 
 A decode step reads every int8 weight once, and every row's float32 keys and values. This bench times the
-step of the default model (the worker's own forward, worker/forward.py) at a few batch sizes, and inside it
+step of the default model (the worker's own forward, worker/hf/forward.py) at a few batch sizes, and inside it
 the time spent in fbgemm's int8 calls (by torch's profiler, over separate steps), then the host's memory
 read bandwidth (a sum over a buffer much larger than the caches). The kernels' share bounds what a leaner
 forward could gain; the bytes read over the bandwidth bound what any forward of these weights and this cache
@@ -25,19 +25,19 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
-import worker.quant as quant  # noqa: E402
+import worker.weights.quant as quant  # noqa: E402
 from bench.provenance import provenance, write_results  # noqa: E402
 from common.settings import Settings  # noqa: E402
-from worker.cache import new_cache  # noqa: E402
-from worker.forward import Part, forward_parts  # noqa: E402
-from worker.model import load_model  # noqa: E402
+from worker.hf.cache import new_cache  # noqa: E402
+from worker.hf.forward import Part, forward_parts  # noqa: E402
+from worker.hf.model import load_model  # noqa: E402
 
 KERNEL = "quantized::linear_with_input_q_dq_qweight_dq_output_fp32"
 
 
 def kernel_seconds(step: Callable[[], object], steps: int) -> float:
     """Median seconds per step spent inside fbgemm's int8 calls, by torch's profiler (the calls are made from
-    TorchScript, worker/scripted.py, where Python cannot wrap them)."""
+    TorchScript, worker/weights/scripted.py, where Python cannot wrap them)."""
     per_step = []
     for _ in range(steps):
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -142,7 +142,7 @@ def measure(model: torch.nn.Module, rows: int, context: int, steps: int) -> dict
         if index >= 3:
             step_times.append(time.perf_counter() - start)
     step_ms = statistics.median(step_times) * 1e3
-    # The same fbgemm kernels, timed in the scripted layer: worker/native.cpp calls them past the profiler.
+    # The same fbgemm kernels, timed in the scripted layer: worker/weights/native.cpp calls them past the profiler.
     native = model.model.layers[0].native
     quant.use_native(model, False)
     try:

@@ -1,12 +1,12 @@
-"""What the compiled kernels gain the int8 decode step (worker/native.cpp): the layers with and without them,
+"""What the compiled kernels gain the int8 decode step (worker/weights/native.cpp): the layers with and without them,
 taking turns step by step in one process over the same cache (each step's token is taken back out of the
 cache, so that both see the same context). Their logits differ by float rounding, so each pair is compared by
 cosine and by the chosen token. Prints the median step of each and their ratio per batch size; writes
 bench/results/native-<host kind>.json.
 
 With --calls, first what one call costs beyond its arithmetic: a tiny int8 product (16 x 16) through fbgemm's op
-with the packed weights passed as the ScriptObject they are, and through worker/native.cpp's int8_linear with
-their number (through torch.ops, and through the C++ function itself: worker/native.py's `ops`).
+with the packed weights passed as the ScriptObject they are, and through worker/weights/native.cpp's int8_linear with
+their number (through torch.ops, and through the C++ function itself: worker/weights/native.py's `ops`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import torch  # noqa: E402
 
 from bench.decode_step import parse_and_load, take_turns, write_levels  # noqa: E402
 from worker import native  # noqa: E402
-from worker.quant import Int8Linear, use_native  # noqa: E402
-from worker.scripted import ACT_MAX, ACT_ZERO_POINT  # noqa: E402
+from worker.weights.quant import Int8Linear, use_native  # noqa: E402
+from worker.weights.scripted import ACT_MAX, ACT_ZERO_POINT  # noqa: E402
 
 
 def per_call_us(call: Callable[[], object], calls: int = 5000) -> float:
@@ -64,7 +64,7 @@ def measure(model: torch.nn.Module, rows: int, context: int, steps: int) -> dict
 def main() -> None:
     args, model = parse_and_load(__doc__.splitlines()[0], 40, "native", calls=True)
     if not model.model.layers[0].native:
-        sys.exit("worker/native.cpp did not build here (see the worker's warning); nothing to compare")
+        sys.exit("worker/weights/native.cpp did not build here (see the worker's warning); nothing to compare")
     costs = call_costs() if args.calls else None
     print(f"{'rows':>5} {'scripted ms':>12} {'native ms':>10} {'speedup':>8} {'min cosine':>11} {'same token':>11}")
     levels = []

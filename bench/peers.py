@@ -31,7 +31,7 @@ from llmserve.bench.plot import plot_sweeps  # noqa: E402
 from llmserve.bench.run import HEADER, Level, discover_model, format_row, run_level  # noqa: E402
 from llmserve.bench.workload import Lengths, make_jobs  # noqa: E402
 from llmserve.launcher import free_port, private_stack, wait_until  # noqa: E402
-from worker.model import bundled_gguf  # noqa: E402
+from worker.prompts import bundled_gguf  # noqa: E402
 
 LLAMA_SERVER = "/tmp/peer/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server"
 LLAMA_CPP_PYTHON = "/tmp/peer/venv/bin/python"
@@ -96,9 +96,9 @@ def main() -> None:
                         help="turns of every server; each level reports its median round by output tok/s")
     parser.add_argument("--out", help="default: bench/results/peers-<host kind>.json (and its plot beside it)")
     parser.add_argument("--scripted-too", action="store_true",
-                        help="a second llmserve series with WORKER_NATIVE=off (worker/native.cpp's kernels off)")
+                        help="a second llmserve series with WORKER_NATIVE=off (the compiled kernels off)")
     parser.add_argument("--int8-too", action="store_true",
-                        help="a llmserve series with WORKER_QUANT=int8 (worker/quant.py instead of the GGUF blocks)")
+                        help="a llmserve series with WORKER_QUANT=int8 (instead of the GGUF blocks)")
     args = parser.parse_args()
     started = provenance()
     gguf, threads, logs = bundled_gguf(), str(args.threads), Path("/tmp")

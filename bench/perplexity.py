@@ -1,7 +1,7 @@
 """Issue 12, target 4: perplexity of the default model in float32, on its GGUF file's own blocks (the CPU
-worker's default, worker/blocks.py) and in int8 (worker/quant.py), on English text that ships with the Python
-install itself: the Language Reference's topics in `pydoc_data/topics.py` (what `help("assert")` prints), in
-sorted order, joined by blank lines.
+worker's default, worker/weights/blocks.py) and in int8 (worker/weights/quant.py), on English text that ships
+with the Python install itself: the Language Reference's topics in `pydoc_data/topics.py` (what
+`help("assert")` prints), in sorted order, joined by blank lines.
 
 As llama.cpp's `llama-perplexity`: the tokens are cut into windows of 512, each window is one forward from
 an empty context, and the log-likelihood of each token given the window's tokens before it is scored two
@@ -10,7 +10,7 @@ each with at least 256 tokens of context, llama-perplexity's own figure). Also, 
 mode: the mean KL divergence of each quantised model's next-token distribution from float32's, and how often
 both rank the same token first (second halves). All models see the same windows; the tokenizer adds no BOS to
 plain text.
-A third model, int8 without the rotation of worker/rotation.py, shows that change's part.
+A third model, int8 without the rotation of worker/weights/rotation.py, shows that change's part.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench.provenance import provenance, write_results  # noqa: E402
 from common.settings import Settings  # noqa: E402
-from worker.model import LoadedModel, bundled_gguf, load_model  # noqa: E402
-from worker.quant import quantize_int8  # noqa: E402
+from worker.hf.model import LoadedModel, load_model  # noqa: E402
+from worker.prompts import bundled_gguf  # noqa: E402
+from worker.weights.quant import quantize_int8  # noqa: E402
 
 WINDOW = 512
 
@@ -79,7 +80,7 @@ def main() -> None:
     models = {quant: load_model(Settings(worker_threads=args.threads, worker_quant=quant))
               for quant in ("none", "gguf", "int8")}
     models["int8_unrotated"] = load_model(Settings(worker_threads=args.threads, worker_quant="none"))
-    quantize_int8(models["int8_unrotated"].model, rotate=False)  # what the int8 path was before worker/rotation.py
+    quantize_int8(models["int8_unrotated"].model, rotate=False)  # the int8 path without its rotation
     ids = models["none"].tokenizer(text)["input_ids"]
     count = len(ids) // WINDOW if not args.windows else min(args.windows, len(ids) // WINDOW)
     half = WINDOW // 2

@@ -1,4 +1,4 @@
-"""What TorchScript gains the int8 decode step (worker/scripted.py): the same functions run eagerly, by Python,
+"""What TorchScript gains the int8 decode step (worker/weights/scripted.py): the same functions run eagerly, by Python,
 and scripted, taking turns step by step in one process over the same cache (each step's token is taken back
 out of the cache, so that both see the same context), with the logits of each pair compared bit for bit.
 Prints the median step of each and their ratio per batch size; writes bench/results/scripted-<host kind>.json.
@@ -17,7 +17,7 @@ import torch  # noqa: E402
 
 from bench.decode_step import parse_and_load, take_turns, write_levels  # noqa: E402
 from worker import scripted  # noqa: E402
-from worker.quant import use_native  # noqa: E402
+from worker.weights.quant import use_native  # noqa: E402
 
 COMPILED = {name: getattr(scripted, name) for name in scripted.PLAIN}
 
@@ -38,7 +38,7 @@ def measure(model: torch.nn.Module, rows: int, context: int, steps: int) -> dict
 
 def main() -> None:
     args, model = parse_and_load(__doc__.splitlines()[0], 40, "scripted")
-    use_native(model, False)  # the layer of worker/scripted.py, not worker/native.cpp's kernels
+    use_native(model, False)  # the layer of worker/weights/scripted.py, not worker/weights/native.cpp's kernels
     print(f"{'rows':>5} {'eager ms':>9} {'scripted ms':>12} {'speedup':>8} {'same logits':>12}")
     levels = []
     for rows in args.rows:

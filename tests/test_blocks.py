@@ -1,4 +1,4 @@
-"""worker/blocks.py and worker/blocks.cpp: a GGUF file's own Q4_1 and Q8_0 blocks as the weights. The packed
+"""worker/weights/blocks.py and blocks.cpp: a GGUF file's own Q4_1 and Q8_0 blocks as the weights. The packed
 blocks hold the file's values exactly; the product is a plain torch statement of its arithmetic bit for bit,
 on every instruction set this CPU has; a row's result does not depend on its batch; the default model runs on
 them, close to float32; and the settings fail or fall back as documented."""
@@ -14,12 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from common.settings import Settings
-from worker import native
-from worker.blocks import Q4_1, Q8_0, BlockError, BlockLinear, BlockLlamaLayer, FileTensor, quantize_blocks
-from worker.cache import new_cache
-from worker.forward import Part, forward_parts
-from worker.model import LoadedModel, bundled_gguf, load_model
-from worker.quant import Int8LlamaLayer, takes_blocks_together
+from worker.hf.cache import new_cache
+from worker.hf.forward import Part, forward_parts
+from worker.hf.model import LoadedModel, load_model
+from worker.prompts import bundled_gguf
+from worker.weights import native
+from worker.weights.blocks import Q4_1, Q8_0, BlockError, BlockLinear, BlockLlamaLayer, FileTensor, quantize_blocks
+from worker.weights.quant import Int8LlamaLayer, takes_blocks_together
 
 pytestmark = pytest.mark.skipif(not native.load("auto"), reason="the compiled kernels do not build here")
 ops = torch.ops.llmserve
@@ -193,6 +194,6 @@ def test_the_settings_fail_or_fall_back_as_documented(monkeypatch: pytest.Monkey
     assert any("blocks cannot serve" in r.getMessage() for r in caplog.records)
     with pytest.raises(ValueError, match="WORKER_QUANT must be auto, gguf, int8 or none"):
         load_model(Settings(worker_quant="q4"))
-    monkeypatch.setattr("worker.model._gguf_path", lambda settings: None)
+    monkeypatch.setattr("worker.hf.model.gguf_path", lambda settings: None)
     with pytest.raises(ValueError, match="WORKER_QUANT=gguf needs a local GGUF file"):
         load_model(Settings(worker_quant="gguf"))

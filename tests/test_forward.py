@@ -1,4 +1,4 @@
-"""worker/forward.py on the real default model as a worker loads it (the GGUF file's blocks where the compiled
+"""worker/hf/forward.py on the real default model as a worker loads it (the GGUF file's blocks where the compiled
 kernels build, else int8): a decode step and a prefill block in one pass give each the logits and the cache
 entries of its own forward through transformers, bit for bit; so do several blocks in one forward."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.cache import new_cache
-from worker.forward import Part, causal_mask, forward_parts
-from worker.model import LoadedModel
-from worker.quant import takes_blocks_together
+from worker.hf.cache import new_cache
+from worker.hf.forward import Part, causal_mask, forward_parts
+from worker.hf.model import LoadedModel
+from worker.weights.quant import takes_blocks_together
 
 
 def ids(loaded: LoadedModel, text: str, n: int) -> torch.Tensor:
@@ -73,11 +73,11 @@ def test_a_block_after_cached_tokens_sees_them_and_the_tokens_before_it_only() -
 
 
 def test_blocks_in_one_forward_are_each_block_s_own_forward_bit_for_bit(loaded: LoadedModel) -> None:
-    """A prefill step may take several blocks of a group in one forward (worker/engine.py): every number of a
+    """A prefill step may take several blocks of a group in one forward (worker/hf/engine.py): every number of a
     token, its logits and its keys and values, is the one its own block's forward gives, whether the blocks
     start after cached tokens or not, and past 256 keys (the attention's runs)."""
     if not takes_blocks_together(loaded.model):
-        pytest.skip("the compiled layer (worker/native.cpp) does not build here")
+        pytest.skip("the compiled layer (worker/weights/native.cpp) does not build here")
     tokens = torch.cat([ids(loaded, "The sea is calm tonight. ", 304), ids(loaded, "Bread and cakes daily. ", 304)])
 
     @torch.inference_mode()

@@ -14,8 +14,8 @@ from common import grammar
 from common.protocol import SamplingParams
 from tests.conftest import run_engine
 from worker.core import GrammarError
-from worker.engine import Engine
-from worker.model import LoadedModel
+from worker.hf.engine import Engine
+from worker.hf.model import LoadedModel
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0, "maximum": 130},

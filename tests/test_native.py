@@ -1,4 +1,4 @@
-"""worker/native.cpp, through worker/native.py: the int8 product, the rotary heads and the cache writes give the
+"""worker/weights/native.cpp, through native.py: the int8 product, the rotary heads and the cache writes give the
 TorchScript layer's bits (the product with a norm folded in, to rounding); the decode attention and the MLP
 agree with it to float rounding, and a row's result does not depend on its batch-mates;
 the setting's modes and a failed build behave as documented."""
@@ -13,14 +13,14 @@ import torch
 from torch import nn
 
 from common.settings import Settings, SettingsError
-from worker import native, scripted
-from worker.cache import new_cache
-from worker.forward import Part, forward_parts
-from worker.model import LoadedModel
-from worker.quant import Int8Linear, Int8LlamaLayer, use_native
-from worker.rotation import InputRotation
+from worker.hf.cache import new_cache
+from worker.hf.forward import Part, forward_parts
+from worker.hf.model import LoadedModel
+from worker.weights import native, scripted
+from worker.weights.quant import Int8Linear, Int8LlamaLayer, use_native
+from worker.weights.rotation import InputRotation
 
-pytestmark = pytest.mark.skipif(not native.load("auto"), reason="worker/native.cpp does not build here")
+pytestmark = pytest.mark.skipif(not native.load("auto"), reason="worker/weights/native.cpp does not build here")
 ops = torch.ops.llmserve
 THREADS = torch.get_num_threads()
 
@@ -316,7 +316,7 @@ def test_a_failed_build_falls_back_or_stops_the_worker(monkeypatch: pytest.Monke
 def test_a_hit_s_blocks_join_into_the_cache_as_the_torch_join_puts_them(monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import LlamaConfig
 
-    from worker.cache import stacked_cache
+    from worker.hf.cache import stacked_cache
     config = LlamaConfig(num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
     torch.manual_seed(3)
     rows = [[torch.randn(3, 2, 2, 16, 16) for _ in range(3)],

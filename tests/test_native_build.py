@@ -1,4 +1,4 @@
-"""worker/native.py's build under a lock that dies with its holder: a build killed mid-way (Ctrl-C on a first
+"""worker/weights/native.py's build under a lock that dies with its holder: a build killed mid-way (Ctrl-C on a first
 `make run`) leaves torch's own lock file behind, and a worker that starts afterwards must still load its
 kernels, not wait on that file for ever."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from worker import native
+from worker.weights import native
 
 LOAD = "from worker import native; print(native.load('on'))"
 

@@ -18,7 +18,7 @@ from llmserve.bench.workload import Lengths, make_jobs
 from scheduler.policy import EXPECTED_LIMIT, EXPECTED_TTL, Queued, WaitingQueue, WorkerState, choose, plan
 from tests.conftest import RunningStack, run_engine, wait_for
 from worker.core import StepOutput
-from worker.engine import (
+from worker.hf.engine import (
     ATTENTION_KEYS_PER_TOKEN,
     DEFAULT_CHUNK,
     IDLE_PASS_TOKENS,
@@ -26,7 +26,7 @@ from worker.engine import (
     Engine,
     chunk_tokens,
 )
-from worker.model import LoadedModel
+from worker.hf.model import LoadedModel
 from worker.prefix import HeldPrefixes, PrefixStore, block_digests
 
 SCORED = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
@@ -164,7 +164,7 @@ def test_a_long_prompt_is_prefilled_alongside_decode_steps_and_a_short_one_overt
 def test_a_long_prompt_beside_a_stream_takes_smaller_chunks_deeper_in(overtaking: Overtaking) -> None:
     """Where several blocks go in one forward (the compiled layer): more steps than the prompt has blocks."""
     if not overtaking.blocks_together:
-        pytest.skip("the compiled layer (worker/native.cpp) does not build here: one block a step at any depth")
+        pytest.skip("the compiled layer (worker/weights/native.cpp) does not build here: one block a step at any depth")
     assert overtaking.firsts["long"] > -(-len(overtaking.prompt) // overtaking.block)
 
 
@@ -224,7 +224,7 @@ def test_one_forward_takes_at_most_idle_pass_tokens_over_the_rows_of_its_group(l
     """The compiled attention keeps partial results per row, key run and query: rows times tokens is bounded."""
     engine = Engine(loaded, 32, prefix_bytes=0, chunk=4096)
     if not engine.blocks_together:
-        pytest.skip("the compiled layer (worker/native.cpp) does not build here")
+        pytest.skip("the compiled layer (worker/weights/native.cpp) does not build here")
     prompt = chat(loaded, " ".join([QUESTIONS[1]] * 12))
     for rows in (1, 4, 32):
         engine.abort_all()

@@ -1,4 +1,4 @@
-"""The int8 CPU path (worker/quant.py): accuracy and batch invariance of the layer, and the real default
+"""The int8 CPU path (worker/weights/quant.py): accuracy and batch invariance of the layer, and the real default
 model loaded with WORKER_QUANT=int8, in-process."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from common.protocol import SamplingParams
 from common.settings import Settings
 from tests.conftest import run_engine
-from worker.engine import Engine, left_padded
-from worker.model import LoadedModel, load_model
-from worker.quant import ROWWISE_ATTENTION, Int8Linear, Int8LlamaLayer, quantize_int8
+from worker.hf.engine import Engine, left_padded
+from worker.hf.model import LoadedModel, load_model
+from worker.weights.quant import ROWWISE_ATTENTION, Int8Linear, Int8LlamaLayer, quantize_int8
 
 QUESTIONS = ["What is the capital of France?", "Write a Python function that adds two numbers.",
              "Name three primary colors."]

@@ -1,4 +1,4 @@
-"""The residual-stream rotation folded into a Llama's weights before int8 (worker/rotation.py): the matrices
+"""The residual-stream rotation folded into a Llama's weights before int8 (worker/weights/rotation.py): the matrices
 are orthogonal, the float model's function does not change, and the real model's int8 logits come closer
 to float32's with it than without."""
 
@@ -12,9 +12,9 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from common.settings import Settings
-from worker.model import load_model
-from worker.quant import quantize_int8
-from worker.rotation import InputRotation, hadamard, orthogonal, rotate_residual
+from worker.hf.model import load_model
+from worker.weights.quant import quantize_int8
+from worker.weights.rotation import InputRotation, hadamard, orthogonal, rotate_residual
 
 
 @pytest.mark.parametrize("n", [2, 12, 64, 576, 1536])

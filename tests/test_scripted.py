@@ -1,4 +1,4 @@
-"""worker/scripted.py: each TorchScript function gives its plain Python's bits, on every call (the profiling
+"""worker/weights/scripted.py: each TorchScript function gives its plain Python's bits, on every call (the profiling
 executor changes its graph after the first calls) and at every shape the worker uses."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from worker import scripted
-from worker.forward import Part, causal_mask
-from worker.quant import Int8Linear
-from worker.rotation import hadamard
+from worker.hf.forward import Part, causal_mask
+from worker.weights import scripted
+from worker.weights.quant import Int8Linear
+from worker.weights.rotation import hadamard
 
 CALLS = 5  # past the executor's profiling runs
 

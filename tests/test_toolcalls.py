@@ -21,7 +21,7 @@ from gateway.constraints import constraint_of
 from gateway.errors import ApiError
 from gateway.grammar_check import GrammarChecker
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
-from worker.model import _source
+from worker.prompts import source
 
 WEATHER = Tool("get_weather", "The weather of a city", json.dumps(
     {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
@@ -33,7 +33,7 @@ TWO_CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"r
 
 @pytest.fixture(scope="module")
 def index():
-    path, extra = _source(Settings())
+    path, extra = source(Settings())
     tokenizer = AutoTokenizer.from_pretrained(path, **extra)
     return tokenizer, from_tokenizer(tokenizer, n_vocab=len(tokenizer))
 

@@ -16,9 +16,9 @@ from common.protocol import SamplingParams, Tool
 from common.settings import Settings, SettingsError
 from gateway.engine_limits import refusal
 from gateway.schemas import GenerateRequest
-from worker import vllm_model
 from worker.engines import choose
-from worker.vllm_engine import DELIVERED, as_lark, resumed_biases, sampling_arguments
+from worker.vllm import model as vllm_model
+from worker.vllm.engine import DELIVERED, as_lark, resumed_biases, sampling_arguments
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 

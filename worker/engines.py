@@ -48,8 +48,8 @@ def _sim(settings: Settings) -> tuple[Model, Engine]:
 
 def _hf(settings: Settings) -> tuple[Model, Engine]:
     # Imported here: an ENGINE=sim worker never loads torch.
-    from worker.engine import Engine as ModelEngine
-    from worker.model import load_model
+    from worker.hf.engine import Engine as ModelEngine
+    from worker.hf.model import load_model
 
     static = _static(settings)
     loaded = load_model(settings)

@@ -1,7 +1,7 @@
 """The worker's prefix cache: the keys and values of prompt blocks, found again by the tokens up to their end.
 
 The engine prefills every prompt in blocks of `block` tokens at fixed boundaries from its first token, each
-block by a forward of the same shape (worker/engine.py). A block's keys and values then depend only on the
+block by a forward of the same shape (worker/hf/engine.py). A block's keys and values then depend only on the
 tokens up to its end, so they are stored under a digest of those tokens (the block's own, chained onto its
 parent's), and a later prompt that starts with the same tokens takes its leading blocks from here and
 computes the rest exactly as it would have: a hit changes no bit of the output.
@@ -92,7 +92,7 @@ class HeldPrefixes:
     """Which text keys (common/prefix.py) the worker's cache can serve, for its heartbeat. A key maps to the
     digest of the last block its text covers (estimated from the key's share of the text, one block short to
     be safe); it is held while that block is stored. Bounded: the oldest keys are forgotten first. Another
-    engine's cache (worker/vllm_engine.py) overrides how blocks are named and looked up."""
+    engine's cache (worker/vllm/engine.py) overrides how blocks are named and looked up."""
 
     def __init__(self, store: PrefixStore | None, block: int, limit: int = 4096) -> None:
         self.store = store

@@ -33,11 +33,11 @@ from worker.core import GrammarError, PromptTooLong, StepKind, StepOutput, StepR
 from worker.detokenizer import Detokenizer
 from worker.prefix import HeldPrefixes
 from worker.stops import StopMatcher
-from worker.vllm_model import VllmModel, cpu_environment, engine_arguments, hf_directory, load_tokenizer_model
+from worker.vllm.model import VllmModel, cpu_environment, engine_arguments, hf_directory, load_tokenizer_model
 
 log = logging.getLogger("worker")
 
-# The extra_args key of vLLM's SamplingParams for a migrated request's delivered tokens (worker/vllm_resume.py).
+# The extra_args key of vLLM's SamplingParams for a migrated request's delivered tokens (worker/vllm/resume.py).
 DELIVERED = "llmserve_delivered"
 BAN_BIAS = 100.0  # a bias at or below minus this bans its token (common/protocol.py's logit_bias)
 
@@ -64,7 +64,7 @@ def as_lark(grammar: str) -> str:
 def resumed_biases(params: SamplingParams, resume: Tokens[int]) -> dict[int, float]:
     """logit_bias for vLLM: the request's own (a ban as minus infinity, as the own engine bans), plus, for a
     migrated request, the frequency penalty its delivered tokens carry, since vLLM counts only what it generated
-    itself (frequency adds up across the two; presence, which does not, is worker/vllm_resume.py's)."""
+    itself (frequency adds up across the two; presence, which does not, is worker/vllm/resume.py's)."""
     biases: dict[int, float] = {}
     for token, bias in params.logit_bias:
         biases[token] = float("-inf") if bias <= -BAN_BIAS else float(bias)
@@ -96,7 +96,7 @@ def sampling_arguments(params: SamplingParams, resume: Tokens[int]) -> dict[str,
     if biases:
         arguments["logit_bias"] = biases
     if resume and params.presence_penalty:
-        arguments["extra_args"] = {DELIVERED: list(resume)}  # worker/vllm_resume.py's presence penalty
+        arguments["extra_args"] = {DELIVERED: list(resume)}  # worker/vllm/resume.py's presence penalty
     return arguments
 
 
@@ -136,7 +136,7 @@ class VllmEngine:
     def __init__(self, model: VllmModel, llm: Any, slots: int, core: Any = None,
                  statistics: Callable[[], Any] = lambda: None) -> None:
         """`core`: vLLM's in-process engine core (None: its internals are out of reach); `statistics`: vLLM's
-        scheduler statistics after its last step (worker/vllm_stats.py), or None."""
+        scheduler statistics after its last step (worker/vllm/stats.py), or None."""
         self.model = model
         self.llm = llm
         self.slots = slots
@@ -391,8 +391,8 @@ def build(settings: Settings) -> tuple[VllmModel, VllmEngine]:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    from worker.vllm_resume import DeliveredPresence
-    from worker.vllm_stats import EngineStats
+    from worker.vllm.resume import DeliveredPresence
+    from worker.vllm.stats import EngineStats
 
     path = hf_directory(settings)
     arguments = {**engine_arguments(settings, path, cuda), "logits_processors": [DeliveredPresence]}

@@ -2,7 +2,7 @@
 GGUF file, the default model's form), vLLM's engine arguments from our settings, and the tokenizer wrapper
 that turns requests into token ids (worker/core.py's Model) with the chat template vLLM's directory holds.
 
-vLLM itself is imported only where an engine is built (worker/vllm_engine.py): this module's pure parts are
+vLLM itself is imported only where an engine is built (worker/vllm/engine.py): this module's pure parts are
 tested without it."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from common.settings import DEFAULT_MODEL, Settings
-from worker.model import BUNDLED_GGUF, Prompts, bundled_dir, end_tokens
+from worker.prompts import BUNDLED_GGUF, Prompts, bundled_dir, end_tokens
 
 log = logging.getLogger("worker")
 
@@ -31,7 +31,7 @@ DONE_MARK = "llmserve-converted"
 @dataclass
 class VllmModel(Prompts):
     """What the worker loop asks of a model under ENGINE=vllm: the same prompts, chat template and
-    /tokenize answers as the own engine's (worker/model.py's Prompts), from the tokenizer vLLM loads."""
+    /tokenize answers as the own engine's (worker/hf/model.py's Prompts), from the tokenizer vLLM loads."""
 
     name: str
     path: str  # the Hugging Face directory (or hub id) vLLM serves

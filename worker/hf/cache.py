@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedConfig
 from transformers.cache_utils import DynamicLayer
 
-from worker import native, scripted
+from worker.weights import native, scripted
 
 ROOM = 128  # columns added at each growth: a copy every 128 tokens, at most 128 unused columns per layer
 
@@ -102,7 +102,7 @@ class RaggedLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: dict | None = None,
                *args: object, **kwargs: object) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Write each row's new tokens after its own; returns each row's keys and values, [1, heads, n, dim].
-        `cache_kwargs` {"native": True}: by worker/native.cpp's write_rows (the same copies, in one call)."""
+        `cache_kwargs` {"native": True}: by worker/weights/native.cpp's write_rows (the same copies, in one call)."""
         self._make_room(key_states, value_states)
         compiled = bool(cache_kwargs and cache_kwargs.get("native"))
         write = native.ops.write_rows if compiled else scripted.write_rows
@@ -112,7 +112,7 @@ class RaggedLayer(DynamicLayer):
 
     def write_and_attend(self, query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
                          scaling: float) -> torch.Tensor:
-        """A forward's update and row-wise causal attention in one call of worker/native.cpp ([rows, heads, t,
+        """A forward's update and row-wise causal attention in one call of worker/weights/native.cpp ([rows, heads, t,
         dim] each in, [rows, t, heads, dim] out), without a view of every row's keys and values in every layer.
         A decode step (t = 1): the same numbers as update() and then decode_attention over the rows it returns."""
         self._make_room(key_states, value_states)
@@ -158,7 +158,7 @@ class RaggedLayer(DynamicLayer):
 
 def new_cache(config: PreTrainedConfig, ragged: bool = False, capacity: int = 0) -> DynamicCache:
     """transformers' cache for `config`, its plain full-attention layers replaced by roomy ones, or all of
-    them by ragged ones (only for models whose attention takes rows one by one: worker/quant.py), whose rows
+    them by ragged ones (only for models whose attention takes rows one by one: worker/weights/quant.py), whose rows
     get room for `capacity` tokens at first."""
     cache = DynamicCache(config=config)
     if ragged:
@@ -249,7 +249,7 @@ def stacked_cache(config: PreTrainedConfig, rows: list[list[torch.Tensor]], ragg
                   capacity: int = 0) -> DynamicCache:
     """A cache whose row r holds the blocks `rows[r]` one after another (each block [layers, 2 (keys, values),
     heads, tokens, head_dim]; every row as long), with room for `capacity` tokens per row. The blocks are copied
-    straight into each layer's buffers (float32 on the CPU: worker/native.cpp's join_blocks, when loaded) or
+    straight into each layer's buffers (float32 on the CPU: worker/weights/native.cpp's join_blocks, when loaded) or
     joined layer by layer: a join of the whole row at once would take a fresh allocation of the row's every
     layer, whose first touch costs more than the copies."""
     cache = new_cache(config, ragged, capacity)

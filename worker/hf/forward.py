@@ -1,4 +1,4 @@
-"""The int8 Llama's forward (worker/quant.py) over several parts in one pass, run by the engine itself.
+"""The int8 Llama's forward (worker/weights/quant.py) over several parts in one pass, run by the engine itself.
 
 A part is one forward's worth of tokens: the running batch's decode step ([rows, 1]) or a block of a prefill
 group ([rows, block]), each over its own cache. Every int8 call takes the rows of all parts side by side, so a
@@ -15,14 +15,14 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from worker.quant import rotary_factors
+from worker.weights.quant import rotary_factors
 
 
 @dataclass
 class Part:
     ids: torch.Tensor  # [rows, length]
     positions: torch.Tensor  # [rows, length]
-    cache: DynamicCache  # ragged (worker/cache.py): rows side by side, every row `depth` tokens before these
+    cache: DynamicCache  # ragged (worker/hf/cache.py): rows side by side, every row `depth` tokens before these
     depth: int = 0
     last: torch.Tensor | None = None  # [rows]: which token's logits each row wants (None: its last)
 

@@ -5,10 +5,10 @@ last block padded to full size after its end, where causal attention keeps the p
 tokens), each block by one forward over the keys and values of the blocks before it. Sequences admitted
 together at one depth form a group that advances together, a chunk of blocks per prefill step, so a long
 prompt arrives across steps interleaved with decode steps of the running batch; for the int8 Llama a chunk
-rides in the decode step itself, one pass over both (worker/forward.py). Each forward has the shape
+rides in the decode step itself, one pass over both (worker/hf/forward.py). Each forward has the shape
 [rows, block] over a cache without padding, and the kernels compute its rows independently: a block's keys
 and values depend only on the tokens up to its end. The compiled int8 layer computes every token of a run of
-blocks as its own block's forward would (worker/quant.py's takes_blocks_together), so there a chunk is one
+blocks as its own block's forward would (worker/weights/quant.py's takes_blocks_together), so there a chunk is one
 forward of any number of tokens: in a decode step, fewer the deeper it is in its prompt (chunk_tokens), and
 with nothing running up to IDLE_PASS_TOKENS. So a prompt whose leading
 blocks are in the prefix cache (worker/prefix.py) takes them from there and computes the rest exactly as it
@@ -16,7 +16,7 @@ would have, and neither the cache, nor the chunking, nor group-mates change a bi
 
 Decode. A finished prefill joins the running batch, whose KV cache lives across steps, each step feeding
 every sequence only its newest token; finished sequences leave at once. For the int8 Llama (the CPU default)
-the cache holds rows side by side without padding (worker/cache.py): a newcomer costs one copy of its own
+the cache holds rows side by side without padding (worker/hf/cache.py): a newcomer costs one copy of its own
 tokens, a leaver none. Other models keep one left-padded batch: the newcomer's cache is padded and
 concatenated onto the running one. Explicit position ids (`cumsum(mask) - 1`) keep every row's positions
 independent of its padding, so a greedy completion does not depend on its batch-mates.
@@ -37,7 +37,9 @@ from common.errors import ErrorCode
 from common.protocol import SamplingParams, TokenLogprob
 from common.settings import Settings
 from worker import metrics
-from worker.cache import (
+from worker.core import GrammarError, PromptTooLong, StepKind, StepOutput, StepResult
+from worker.detokenizer import Detokenizer
+from worker.hf.cache import (
     ROOM,
     all_plain,
     block,
@@ -49,15 +51,13 @@ from worker.cache import (
     stacked_cache,
     trim_left,
 )
-from worker.core import GrammarError, PromptTooLong, StepKind, StepOutput, StepResult
-from worker.detokenizer import Detokenizer
-from worker.forward import Part, forward_parts
-from worker.grammar import LLMatcher
-from worker.model import LoadedModel
+from worker.hf.forward import Part, forward_parts
+from worker.hf.grammar import LLMatcher
+from worker.hf.model import LoadedModel
+from worker.hf.sampling import Logprobs, new_generator, sample
 from worker.prefix import HeldPrefixes, PrefixStore, block_digests
-from worker.quant import takes_blocks_together, takes_rows_alone
-from worker.sampling import Logprobs, new_generator, sample
 from worker.stops import StopMatcher
+from worker.weights.quant import takes_blocks_together, takes_rows_alone
 
 log = logging.getLogger("worker")
 
@@ -289,7 +289,7 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> StepResult:
         """One step: a decode of the running batch that also carries the next chunk of one prefill group (the
-        int8 Llama: one pass over both, worker/forward.py), or a prefill step (a chunk of one group's prompts;
+        int8 Llama: one pass over both, worker/hf/forward.py), or a prefill step (a chunk of one group's prompts;
         those that end in it join the running batch with their first token), or a decode. Other models
         alternate: a prefill step is always followed by a decode. So neither arrivals nor long prompts hold
         running sequences up for more than a chunk."""
@@ -420,7 +420,7 @@ class Engine:
         return logits
 
     def _forward(self, part: Part, mask: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """`part`'s logits: through the int8 Llama's own forward (worker/forward.py), else transformers' with
+        """`part`'s logits: through the int8 Llama's own forward (worker/hf/forward.py), else transformers' with
         the attention mask `mask` makes (a padded cache's)."""
         if self.ragged:
             return forward_parts(self.loaded.model, [part])[0]

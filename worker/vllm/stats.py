@@ -2,7 +2,7 @@
 this process (unregistering the worker's `vllm:` gauges first) and count again what the gateway already exports
 under vLLM's names (the latency histograms, the token counters), so that dashboards summing every service would
 see those twice. This logger stands in for it: it keeps the latest scheduler statistics for the engine
-(worker/vllm_engine.py reads the KV cache's use from them) and counts the prefix cache's lookups, as the own engine
+(worker/vllm/engine.py reads the KV cache's use from them) and counts the prefix cache's lookups, as the own engine
 does. Imported only where vLLM is."""
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""The CPU worker's compiled kernels, registered as torch.ops.llmserve: worker/native.cpp (the int8 layer's glue,
-the rotary heads and attention over each row's own keys) and worker/blocks.cpp (the GGUF blocks' products).
+"""The CPU worker's compiled kernels, registered as torch.ops.llmserve: native.cpp (the int8 layer's glue, the rotary
+heads and attention over each row's own keys) and blocks.cpp (the GGUF blocks' products), beside this module.
 
 Built on a worker's first start by torch's extension builder (a C++ compiler and ninja), into torch's cache
 (~/.cache/torch_extensions, or TORCH_EXTENSIONS_DIR), and loaded from there afterwards (the worker image builds
 them while it is built). `WORKER_NATIVE=auto` (the default) uses them when they build and otherwise keeps the
-int8 TorchScript layer (worker/scripted.py), with a warning that says why; `on` stops the worker at start when
+int8 TorchScript layer (worker/weights/scripted.py), with a warning that says why; `on` stops the worker at start when
 they do not build; `off` never builds them.
 """
 
@@ -71,7 +71,7 @@ def load(mode: str = "auto") -> bool:
             log.warning("native kernels unavailable; the int8 layer runs as TorchScript",
                         extra={"error": _build.error})
     if mode == "on" and not _build.loaded:
-        raise NativeError(f"WORKER_NATIVE=on, but worker/native.cpp did not build: {_build.error}")
+        raise NativeError(f"WORKER_NATIVE=on, but worker/weights/native.cpp did not build: {_build.error}")
     return _build.loaded
 
 

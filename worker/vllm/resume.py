@@ -2,7 +2,7 @@
 
 A moved request reaches vLLM as prompt plus delivered tokens, and vLLM penalises only what it generates itself.
 The frequency penalty of the delivered tokens adds up with vLLM's, so it travels as a logit bias
-(worker/vllm_engine.py); the presence penalty counts a token once, delivered or generated, so it is applied here
+(worker/vllm/engine.py); the presence penalty counts a token once, delivered or generated, so it is applied here
 to each delivered token until vLLM generates it again (vLLM's own penalty takes over then). Imported only where
 vLLM is: vLLM calls it in its sampler, before temperature, like its own penalties."""
 
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from worker.vllm_engine import DELIVERED
+from worker.vllm.engine import DELIVERED
 
 
 @dataclass

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from transformers import LlamaForCausalLM
 
-from worker import scripted
+from worker.weights import scripted
 
 PALEY_PRIME = 11  # Paley's construction over GF(11) gives a Hadamard matrix of order 12
 

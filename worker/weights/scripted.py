@@ -1,4 +1,4 @@
-"""The int8 Llama layer's arithmetic (worker/quant.py), run by TorchScript's interpreter instead of Python's.
+"""The int8 Llama layer's arithmetic (worker/weights/quant.py), run by TorchScript's interpreter instead of Python's.
 
 A decode step at batch 1 makes some 500 small tensor calls (30 layers of four int8 products, norms, rotary
 embedding, attention and the MLP), and each paid a few microseconds of Python around a kernel of a few
@@ -42,7 +42,7 @@ def int8_linear(x: Tensor, packed: Packed, bias: Tensor | None, norm_eps: float 
 
 def normed_linear(x: Tensor, packed: Packed, gain: Tensor | None, eps: float) -> Tensor:
     """The int8 product of RMSNorm(x): folded into the call when the gain is 1 (`gain` None: a rotated
-    model's, worker/rotation.py), else as transformers' LlamaRMSNorm computes it."""
+    model's, worker/weights/rotation.py), else as transformers' LlamaRMSNorm computes it."""
     if gain is None:
         return int8_linear(x, packed, None, eps)
     dtype = x.dtype
@@ -55,7 +55,7 @@ def heads(qkv: Tensor, rows: int, length: int, head_dim: int, q_heads: int, kv_h
           signed_sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Query, key and value heads ([rows, heads, length, head_dim]) of a part's fused projections, the query
     and key heads rotated in one go. Llama's rotation is x * cos + cat(-x2, x1) * sin over a head's halves;
-    with the minus on sin's first half (`signed_sin`, worker/quant.py's rotary_factors) it is one roll."""
+    with the minus on sin's first half (`signed_sin`, worker/weights/quant.py's rotary_factors) it is one roll."""
     split = qkv.view(rows, length, -1, head_dim).transpose(1, 2)
     qk = split[:, :q_heads + kv_heads]
     qk = qk * cos + qk.roll(head_dim // 2, dims=-1) * signed_sin
@@ -109,7 +109,7 @@ def write_rows(key_buffers: list[Tensor], value_buffers: list[Tensor], lengths: 
 def mlp_residual(x: Tensor, attended: Tensor, o_proj: Packed, gate_up: Packed, down_proj: Packed,
                  gain: Tensor | None, eps: float, rotation: Tensor | None) -> Tensor:
     """The rest of a layer after attention: its output projection and residual, then the MLP and its residual.
-    With `rotation` (a Hadamard block, worker/rotation.py) down_proj's input is rotated first."""
+    With `rotation` (a Hadamard block, worker/weights/rotation.py) down_proj's input is rotated first."""
     x = x + int8_linear(attended, o_proj, None, None)
     gate, up = normed_linear(x, gate_up, gain, eps).chunk(2, dim=-1)
     mixed = torch.nn.functional.silu(gate) * up

@@ -33,10 +33,10 @@ from transformers import AttentionInterface, Cache, LlamaForCausalLM, PreTrained
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from worker import native, scripted
-from worker.cache import RaggedLayer
-from worker.rotation import InputRotation, rotate_residual
-from worker.scripted import EPS
+from worker.hf.cache import RaggedLayer
+from worker.weights import native, scripted
+from worker.weights.rotation import InputRotation, rotate_residual
+from worker.weights.scripted import EPS
 
 WEIGHT_MAX = 63  # weights: 7 bits, so that fbgemm's int16 pair sums cannot saturate (see above)
 ROWWISE_ATTENTION = "llmserve_rowwise_sdpa"
@@ -70,13 +70,13 @@ class Int8Linear(nn.Module):
         biases = [torch.zeros(lin.out_features) if lin.bias is None else lin.bias.detach().float() for lin in linears]
         has_bias = any(lin.bias is not None for lin in linears)
         self.bias = nn.Parameter(torch.cat(biases), requires_grad=False) if has_bias else None
-        self.native = native  # worker/native.cpp's call for float32: the same bits, less overhead
+        self.native = native  # worker/weights/native.cpp's call for float32: the same bits, less overhead
 
     @functools.cached_property
     def weight(self) -> int:
-        """The number worker/native.cpp's kernels know the packed weights by (passing the packed object itself
+        """The number worker/weights/native.cpp's kernels know the packed weights by (passing the packed object itself
         costs more than a small product: native.cpp), given on first use (the kernels must be loaded,
-        worker/native.py) and taken back when this layer goes."""
+        worker/weights/native.py) and taken back when this layer goes."""
         number = native.ops.keep_weight(self.packed)
         weakref.finalize(self, native.ops.drop_weight, number)
         return number
@@ -104,7 +104,7 @@ def rowwise_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor | lis
     the kernel computes each row of an unpadded batch as it would compute that row alone (tested).
     Assumes left padding (the engine's and `generate`'s), read off the mask's last query row, and a
     decoder in eval mode (causal, no dropout, no softcap). `key` and `value` may also be lists of each
-    row's own ([1, heads, n, dim], worker/cache.py's ragged layout): then each row is its own call."""
+    row's own ([1, heads, n, dim], worker/hf/cache.py's ragged layout): then each row is its own call."""
     if kwargs.get("sliding_window") or kwargs.get("softcap") or kwargs.get("position_bias") is not None:
         raise NotImplementedError("int8's row-wise attention handles plain causal attention only")
     if isinstance(key, list):  # (a compiled layer's decode step never comes here: RaggedLayer.write_and_attend)
@@ -129,7 +129,7 @@ AttentionMaskInterface.register(ROWWISE_ATTENTION, sdpa_mask)  # the padding mas
 
 
 class RowwiseLlamaLayer(nn.Module):
-    """A Llama decoder layer whose attention reads each row's own keys (`rowwise_sdpa`, worker/cache.py's ragged
+    """A Llama decoder layer whose attention reads each row's own keys (`rowwise_sdpa`, worker/hf/cache.py's ragged
     rows), around two products that a subclass supplies: `project_qkv` (q, k and v fused) and `mlp_residual`
     (o_proj, the MLP and both residuals). Every product takes each token alone, so each row's result is the one
     it gets alone."""
@@ -142,7 +142,7 @@ class RowwiseLlamaLayer(nn.Module):
         self.kv_heads = attn.k_proj.out_features // self.head_dim
         self.input_layernorm, self.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
         self.norm_eps = self.input_layernorm.variance_epsilon
-        self.native = native  # worker/native.cpp's heads and attention
+        self.native = native  # worker/weights/native.cpp's heads and attention
 
     def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
         """The normed tokens' fused q, k and v projections ([tokens, width] in)."""
@@ -160,7 +160,7 @@ class RowwiseLlamaLayer(nn.Module):
 
     def forward_parts(self, hidden: list[torch.Tensor], rope: list[tuple[torch.Tensor, torch.Tensor]],
                       masks: list[torch.Tensor | None], caches: list[Cache]) -> list[torch.Tensor]:
-        """Several forwards in one pass (worker/forward.py): part i is hidden[i] ([rows, length, width]) with
+        """Several forwards in one pass (worker/hf/forward.py): part i is hidden[i] ([rows, length, width]) with
         the rotary factors rope[i] (`rotary_factors`) over caches[i]. Their rows go side by side through every
         int8 call, and each part attends over its own cache, so each part's result is the one its own forward
         gives, bit for bit."""
@@ -181,7 +181,7 @@ class RowwiseLlamaLayer(nn.Module):
         query, key, value = heads(qkv, rows, length, self.head_dim, self.q_heads, self.kv_heads, cos, signed_sin)
         if self.native and cache is not None and isinstance(cache.layers[self.layer_idx], RaggedLayer):
             # A ragged row has no padding: token i of the part sees its row's cache and the part up to i, which
-            # is what the mask says (worker/forward.py's causal_mask)
+            # is what the mask says (worker/hf/forward.py's causal_mask)
             return cache.layers[self.layer_idx].write_and_attend(query, key, value, self.scaling)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx, {"native": self.native})
@@ -190,17 +190,17 @@ class RowwiseLlamaLayer(nn.Module):
 
 class Int8LlamaLayer(RowwiseLlamaLayer):
     """A Llama decoder layer in four int8 kernel calls instead of seven (q, k and v fused, gate and up
-    fused), in a few scripted functions (worker/scripted.py) instead of a tree of modules: at batch 1 a decode
+    fused), in a few scripted functions (worker/weights/scripted.py) instead of a tree of modules: at batch 1 a decode
     step is mostly per-call overhead, paid 30 times per token. Same arithmetic as the layer it replaces, row by
     row."""
 
     def __init__(self, layer: LlamaDecoderLayer, down_rotation: InputRotation | None = None,
                  native: bool = False) -> None:
         """With `down_rotation`, down_proj's input is rotated in the forward and its weights take the
-        rotation (worker/rotation.py): its activations' outliers are spread before they are quantised. With
-        `native`, a layer whose norms are folded runs worker/native.cpp's kernels (torch.ops.llmserve)."""
+        rotation (worker/weights/rotation.py): its activations' outliers are spread before they are quantised. With
+        `native`, a layer whose norms are folded runs worker/weights/native.cpp's kernels (torch.ops.llmserve)."""
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        # Gains of 1 (after worker/rotation.py): None, and each norm is folded into the int8 call reading it.
+        # Gains of 1 (after worker/weights/rotation.py): None, and each norm is folded into the int8 call reading it.
         folded = all(bool((n.weight == 1).all()) for n in norms)
         # The kernels take float32 (the CPU default; WORKER_DTYPE=bfloat16 keeps the scripted layer).
         super().__init__(layer, native and folded and norms[0].weight.dtype == torch.float32
@@ -258,7 +258,7 @@ def plain_llama(model: nn.Module) -> bool:
 
 def takes_blocks_together(model: nn.Module) -> bool:
     """Whether a forward over several blocks of a prompt gives each token the very numbers of its own block's
-    forward: every layer compiled (worker/native.cpp), whose products take each token alone and whose attention
+    forward: every layer compiled (worker/weights/native.cpp), whose products take each token alone and whose attention
     computes each query in its own vector lane, over runs of keys fixed from the first key, the keys it must not
     see adding exact zeros."""
     return takes_rows_alone(model) and all(layer.native for layer in model.model.layers)
@@ -266,14 +266,14 @@ def takes_blocks_together(model: nn.Module) -> bool:
 
 def takes_rows_alone(model: nn.Module) -> bool:
     """Whether every decoder layer is a `RowwiseLlamaLayer` (int8 or the GGUF blocks), whose attention takes each
-    row's own keys and values: its cache may then hold rows side by side without padding (worker/cache.py)."""
+    row's own keys and values: its cache may then hold rows side by side without padding (worker/hf/cache.py)."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     return bool(layers) and all(isinstance(layer, RowwiseLlamaLayer) for layer in layers)
 
 
 def use_native(model: nn.Module, on: bool) -> None:
-    """Switch `model`'s int8 layers to worker/native.cpp's kernels or back to the scripted ones (benches and
-    tests compare the two in one process; the kernels must be loaded, worker/native.py)."""
+    """Switch `model`'s int8 layers to worker/weights/native.cpp's kernels or back to the scripted ones (benches and
+    tests compare the two in one process; the kernels must be loaded, worker/weights/native.py)."""
     for module in model.modules():
         if isinstance(module, Int8Linear | Int8LlamaLayer):
             module.native = on
@@ -283,10 +283,9 @@ def quantize_int8(model: nn.Module, rotate: bool = True, native: bool = False) -
     """Replace every `nn.Linear` of `model` (for a causal LM: the decoder layers' projections and the
     `lm_head`) by an `Int8Linear`, in place, and switch its attention to `rowwise_sdpa`; returns how many
     linears. A plain Llama's decoder layers become `Int8LlamaLayer`s, with fused projections, after its
-    residual stream is rotated, and with down_proj's input rotated (worker/rotation.py), unless not
+    residual stream is rotated, and with down_proj's input rotated (worker/weights/rotation.py), unless not
     `rotate`. The embedding lookup stays float, also when `lm_head` is tied to it. With `native`, the layers
-    call worker/native.cpp's kernels (which worker/native.py must have loaded). Call it once the model is on
-    the CPU."""
+    call native.cpp's kernels (which native.py must have loaded). Call it once the model is on the CPU."""
     if not supported():
         raise RuntimeError("int8 needs torch's fbgemm engine, which this torch build lacks (x86 builds have it)")
     linears = _linears(model)

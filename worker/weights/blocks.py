@@ -2,8 +2,8 @@
 
 The default model ships as a GGUF file whose decoder projections are Q4_1 blocks (32 weights of a row: 4-bit
 codes, a float16 scale and minimum) and whose embedding, tied to the lm_head, is Q8_0 (8-bit codes, a scale).
-transformers dequantises them to float on load; the int8 path (worker/quant.py) then quantises those floats
-again, to 8 bits per weight. Here each projection keeps the file's codes, packed for worker/blocks.cpp, which
+transformers dequantises them to float on load; the int8 path (worker/weights/quant.py) then quantises those floats
+again, to 8 bits per weight. Here each projection keeps the file's codes, packed for worker/weights/blocks.cpp, which
 multiplies them by each token's activations quantised to 8 bits per block of 32: 5 bits read per layer weight
 instead of 8, and the file's weights exactly, so no rotation is needed (each activation block has its own
 scale). Every product takes each token alone (blocks.cpp), so a request's tokens do not depend on its batch.
@@ -27,8 +27,8 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from worker import native
-from worker.quant import ROWWISE_ATTENTION, RowwiseLlamaLayer, plain_llama
+from worker.weights import native
+from worker.weights.quant import ROWWISE_ATTENTION, RowwiseLlamaLayer, plain_llama
 
 Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
 TILE = 16  # output channels per tile: one 512-bit vector of 32-bit sums
@@ -165,7 +165,7 @@ class BlockLinear(nn.Module):
 
 class BlockLlamaLayer(RowwiseLlamaLayer):
     """A Llama decoder layer over its GGUF blocks: RMSNorm (with its gain) and the fused q, k, v product in one
-    call, worker/native.cpp's heads and attention, then o_proj, the MLP and both residuals in one call."""
+    call, worker/weights/native.cpp's heads and attention, then o_proj, the MLP and both residuals in one call."""
 
     def __init__(self, layer: LlamaDecoderLayer, qkv: BlockLinear, o_proj: BlockLinear, gate_up: BlockLinear,
                  down_proj: BlockLinear) -> None:

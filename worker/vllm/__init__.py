@@ -1,0 +1,3 @@
+"""ENGINE=vllm: vLLM's engine hosted behind worker/core.py's seam (engine.py), its model directory, engine
+arguments and tokenizer (model.py), a migrated request's penalties (resume.py) and its statistics as the worker's
+metrics (stats.py). Imported only by a worker that hosts vLLM."""
