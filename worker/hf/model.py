@@ -10,10 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from common.settings import Settings
-from worker import weights
 from worker.hf.grammar import Grammars
 from worker.prompts import Prompts, end_tokens, gguf_path, source
-from worker.weights import quant
+from worker.weights import paths, quant
 
 
 @dataclass
@@ -55,10 +54,10 @@ def load_model(settings: Settings) -> LoadedModel:
     device, dtype = _device_and_dtype(settings)
     gguf_file = gguf_path(settings)
     # Before the slow part, so that a bad value fails at once.
-    chosen = weights.choose(settings.worker_quant, device, gguf_file, quant.supported())
+    chosen = paths.choose(settings.worker_quant, device, gguf_file, quant.supported())
     tokenizer = AutoTokenizer.from_pretrained(path, **extra)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra).to(device).eval()
-    taken = weights.apply(model, chosen, settings, gguf_file)
+    taken = paths.apply(model, chosen, settings, gguf_file)
     eos_ids = end_tokens(model.generation_config.eos_token_id, tokenizer)
     max_length = getattr(model.config, "max_position_embeddings", None) or tokenizer.model_max_length
     return LoadedModel(settings.model, model, tokenizer, device, int(max_length), eos_ids, taken)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import warnings
 import weakref
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -33,7 +34,6 @@ from transformers import AttentionInterface, Cache, LlamaForCausalLM, PreTrained
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from worker.hf.cache import RaggedLayer
 from worker.weights import native, scripted
 from worker.weights.rotation import InputRotation, rotate_residual
 from worker.weights.scripted import EPS
@@ -45,6 +45,15 @@ ROWWISE_ATTENTION = "llmserve_rowwise_sdpa"
 def supported() -> bool:
     """fbgemm is in torch's x86 builds; ARM builds lack it."""
     return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+@runtime_checkable
+class AttendingLayer(Protocol):
+    """A cache layer that writes a forward's keys and values and attends in one compiled call (the own engine's
+    ragged cache, worker/hf/cache.py): the seam keeps these model paths free of the engine's cache types."""
+
+    def write_and_attend(self, query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
+                         scaling: float) -> torch.Tensor: ...
 
 
 class Int8Linear(nn.Module):
@@ -107,7 +116,7 @@ def rowwise_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor | lis
     row's own ([1, heads, n, dim], worker/hf/cache.py's ragged layout): then each row is its own call."""
     if kwargs.get("sliding_window") or kwargs.get("softcap") or kwargs.get("position_bias") is not None:
         raise NotImplementedError("int8's row-wise attention handles plain causal attention only")
-    if isinstance(key, list):  # (a compiled layer's decode step never comes here: RaggedLayer.write_and_attend)
+    if isinstance(key, list):  # (a compiled layer's decode step never comes here: AttendingLayer.write_and_attend)
         return scripted.attend_rows(query, key, value, attention_mask, scaling), None
     batch, kv_len = query.shape[0], key.shape[2]
     if attention_mask is None:
@@ -179,7 +188,7 @@ class RowwiseLlamaLayer(nn.Module):
         """Attention of one part, from its fused projections ([rows * length, (q + 2 kv heads) * head_dim])."""
         heads = native.ops.heads if self.native else scripted.heads
         query, key, value = heads(qkv, rows, length, self.head_dim, self.q_heads, self.kv_heads, cos, signed_sin)
-        if self.native and cache is not None and isinstance(cache.layers[self.layer_idx], RaggedLayer):
+        if self.native and cache is not None and isinstance(cache.layers[self.layer_idx], AttendingLayer):
             # A ragged row has no padding: token i of the part sees its row's cache and the part up to i, which
             # is what the mask says (worker/hf/forward.py's causal_mask)
             return cache.layers[self.layer_idx].write_and_attend(query, key, value, self.scaling)

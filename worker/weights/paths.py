@@ -1,0 +1,73 @@
+"""The one place that picks a model's path (see the package's docstring for what each path runs): `choose` from
+the setting, the device and the model's files, before anything loads; `apply` puts the loaded model on it."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+import torch
+from transformers import PreTrainedModel
+
+from common.settings import Settings
+from worker.weights import blocks, native, quant
+
+log = logging.getLogger("worker")
+
+PATHS = ("auto", "gguf", "int8", "none")
+
+
+def choose(setting: str, device: torch.device, gguf_file: str | None, int8_supported: bool) -> str:
+    """The path a model takes, before anything is loaded (so that a bad value fails at once). `auto` on a CPU is
+    the GGUF file's own blocks where the model comes from one (they may still fall back: `apply`), else int8 where
+    torch has its kernels, else none; on any other device, none."""
+    if setting not in PATHS:
+        raise ValueError(f"WORKER_QUANT must be auto, gguf, int8 or none, not {setting!r}")
+    if setting in ("gguf", "int8") and device.type != "cpu":
+        raise ValueError(f"WORKER_QUANT={setting} runs on CPU only; the device is {device}: use none")
+    if setting == "gguf" and not gguf_file:
+        raise ValueError("WORKER_QUANT=gguf needs a local GGUF file: MODEL a folder and MODEL_FILE its .gguf")
+    if setting != "auto":
+        return setting
+    if device.type != "cpu":
+        return "none"
+    return "gguf" if gguf_file else "int8" if int8_supported else "none"
+
+
+def apply(model: PreTrainedModel, path: str, settings: Settings, gguf_file: str | None) -> str:
+    """Put the model on `path` (choose's answer); returns the path it took. Where `auto` chose the blocks and they
+    cannot serve (no kernels, a file of other block types), int8, with a warning that says why."""
+    kernels = path != "none" and native.load(settings.worker_native)
+    if path == "gguf":
+        path = _take_blocks(model, settings, kernels, gguf_file)
+    if path == "int8":
+        quant.quantize_int8(model, native=kernels)
+    if path != "none":
+        _return_freed_memory()
+    return path
+
+
+def _take_blocks(model: PreTrainedModel, settings: Settings, kernels: bool, gguf_file: str | None) -> str:
+    try:
+        if not kernels:
+            raise blocks.BlockError(f"the compiled kernels are not loaded (WORKER_NATIVE={settings.worker_native})")
+        blocks.quantize_blocks(model, gguf_file)
+    except blocks.BlockError as error:
+        if settings.worker_quant == "gguf":
+            raise ValueError(f"WORKER_QUANT=gguf: {error}") from error
+        fallback = "int8" if quant.supported() else "none"
+        log.warning("the GGUF file's own blocks cannot serve", extra={"error": str(error), "quant": fallback})
+        return fallback
+    return "gguf"
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap pages of the freed float weights back to the system: glibc keeps them otherwise, and the
+    worker would stay at the float model's size."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return
+    if hasattr(libc, "malloc_trim"):  # glibc only
+        libc.malloc_trim(0)
