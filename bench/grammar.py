@@ -29,7 +29,7 @@ from bench.provenance import provenance, write_results  # noqa: E402
 from common import grammar  # noqa: E402
 from common.protocol import SamplingParams  # noqa: E402
 from common.settings import Settings  # noqa: E402
-from worker import engine as engine_module  # noqa: E402
+from worker.hf import engine as engine_module  # noqa: E402
 from worker.hf.engine import Engine  # noqa: E402
 from worker.hf.model import LoadedModel, load_model  # noqa: E402
 

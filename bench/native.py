@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench.decode_step import parse_and_load, take_turns, write_levels  # noqa: E402
-from worker import native  # noqa: E402
+from worker.weights import native  # noqa: E402
 from worker.weights.quant import Int8Linear, use_native  # noqa: E402
 from worker.weights.scripted import ACT_MAX, ACT_ZERO_POINT  # noqa: E402
 

@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench.decode_step import parse_and_load, take_turns, write_levels  # noqa: E402
-from worker import scripted  # noqa: E402
+from worker.weights import scripted  # noqa: E402
 from worker.weights.quant import use_native  # noqa: E402
 
 COMPILED = {name: getattr(scripted, name) for name in scripted.PLAIN}

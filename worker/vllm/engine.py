@@ -33,12 +33,11 @@ from worker.core import GrammarError, PromptTooLong, StepKind, StepOutput, StepR
 from worker.detokenizer import Detokenizer
 from worker.prefix import HeldPrefixes
 from worker.stops import StopMatcher
+from worker.vllm import DELIVERED
 from worker.vllm.model import VllmModel, cpu_environment, engine_arguments, hf_directory, load_tokenizer_model
 
 log = logging.getLogger("worker")
 
-# The extra_args key of vLLM's SamplingParams for a migrated request's delivered tokens (worker/vllm/resume.py).
-DELIVERED = "llmserve_delivered"
 BAN_BIAS = 100.0  # a bias at or below minus this bans its token (common/protocol.py's logit_bias)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from worker.vllm.engine import DELIVERED
+from worker.vllm import DELIVERED
 
 
 @dataclass

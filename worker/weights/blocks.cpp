@@ -1,4 +1,4 @@
-// Linear layers over a GGUF file's own blocks (worker/blocks.py packs them, worker/native.py builds this file).
+// Linear layers over a GGUF file's own blocks (worker/weights/blocks.py packs them, worker/weights/native.py builds this file).
 //
 // A Q4_1 block is 32 weights of one output channel along its inputs: 4-bit codes c with a scale d and a
 // minimum m (w = d c + m); a Q8_0 block has signed 8-bit codes and a scale. Each token's activations are cut
@@ -110,7 +110,7 @@ inline int32_t four_bytes(const int8_t* p) {
   return v;
 }
 
-// The code of channel c, input i of a tile's block (the packing of worker/blocks.py).
+// The code of channel c, input i of a tile's block (the packing of worker/weights/blocks.py).
 inline int32_t code_at(const uint8_t* block, int64_t type, int64_t c, int64_t i) {
   if (type == kQ8) return static_cast<int8_t>(block[((i / 4) * kTile + c) * 4 + i % 4]);
   const uint8_t byte = block[(((i % 16) / 4) * kTile + c) * 4 + i % 4];

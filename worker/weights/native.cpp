@@ -1,16 +1,16 @@
-// The int8 Llama layer's glue in compiled loops (worker/native.py builds this file, worker/quant.py calls it).
+// The int8 Llama layer's glue in compiled loops (worker/weights/native.py builds this file, worker/weights/quant.py calls it).
 //
-// Around fbgemm's four int8 products, a layer of the TorchScript path (worker/scripted.py) makes a few dozen
+// Around fbgemm's four int8 products, a layer of the TorchScript path (worker/weights/scripted.py) makes a few dozen
 // small ATen calls, each with its dispatch, allocation and checks, and one flash-attention call per row of
 // the batch. Here the layer makes three calls, with the products inside:
 //
 // - int8_linear: the row scale (with RMSNorm's factor when the norm is folded into the product), the
-//   division by it, fbgemm's product and the rescale: without a norm, worker/scripted.py's bits (tested).
+//   division by it, fbgemm's product and the rescale: without a norm, worker/weights/scripted.py's bits (tested).
 // - write_and_attend / decode_attention: each row's queries over that row's own keys (a ragged cache's), each
 //   row computed alone, so that its result does not depend on its batch; a long row's keys split among the
 //   threads in runs of a fixed size.
 // - mlp_residual: o_proj and its residual, the MLP with down_proj's input rotated by a fast Walsh-Hadamard
-//   transform (the block-diagonal Sylvester matrix of worker/rotation.py, without the matrix product).
+//   transform (the block-diagonal Sylvester matrix of worker/weights/rotation.py, without the matrix product).
 //
 // Compiled with -ffp-contract=off: a fused multiply-add would round differently from ATen's separate ones (the
 // block attention, which matches no ATen result, opts back in where the CPU has FMA).
@@ -38,13 +38,13 @@ using llmserve::exp_reduced;
 
 using Packed = c10::intrusive_ptr<LinearPackedParamsBase>;
 
-constexpr double kActScale = 1.0 / 127;  // worker/scripted.py's ACT_MAX and ACT_ZERO_POINT
+constexpr double kActScale = 1.0 / 127;  // worker/weights/scripted.py's ACT_MAX and ACT_ZERO_POINT
 constexpr int64_t kActZeroPoint = 128;
-constexpr float kFloor = 1e-12f;  // worker/scripted.py's EPS
+constexpr float kFloor = 1e-12f;  // worker/weights/scripted.py's EPS
 
 // Each row of x [rows, k] divided by its largest magnitude (floored), into `scaled`; the row maxima into
 // `rowmax`, and with `norm_eps` >= 0 each times RMSNorm's factor 1 / sqrt(mean(x^2) + eps) (the norm only
-// scales the row, which its own quantisation scale undoes: worker/scripted.py).
+// scales the row, which its own quantisation scale undoes: worker/weights/scripted.py).
 __attribute__((target_clones("avx2", "default")))
 void scale_rows(const float* x, float* scaled, float* rowmax, int64_t rows, int64_t k, float norm_eps) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -88,7 +88,7 @@ Packed weight_at(int64_t id) {
   return weights[id];
 }
 
-// Without `norm_eps`, the very float operations of worker/scripted.py's int8_linear: its bits (tested). With
+// Without `norm_eps`, the very float operations of worker/weights/scripted.py's int8_linear: its bits (tested). With
 // it, the mean of squares is this loop's sum, whose order differs from ATen's in the last bits.
 at::Tensor int8_linear(const at::Tensor& input, int64_t weight, const std::optional<at::Tensor>& bias,
                        std::optional<double> norm_eps) {
@@ -428,7 +428,7 @@ at::Tensor query_of(const at::Tensor& query) {
 }
 
 // query [rows, q_heads, 1, dim] (any strides, dim contiguous); keys[r], values[r] [1, kv_heads, n_r, dim]
-// with dim contiguous (a ragged cache's views). Returns [rows, 1, q_heads, dim], as worker/scripted.py's
+// with dim contiguous (a ragged cache's views). Returns [rows, 1, q_heads, dim], as worker/weights/scripted.py's
 // attend_rows does.
 at::Tensor decode_attention(const at::Tensor& query, at::TensorList keys, at::TensorList values, double scaling) {
   const at::Tensor q = query_of(query);
@@ -455,7 +455,7 @@ at::Tensor decode_attention(const at::Tensor& query, at::TensorList keys, at::Te
 }
 
 // The query, key and value heads of a part's fused projections qkv [rows * length, (q + 2 kv) * dim]: query
-// and key heads rotated as worker/scripted.py's heads does (x * cos + roll(x, dim / 2) * signed_sin, the same
+// and key heads rotated as worker/weights/scripted.py's heads does (x * cos + roll(x, dim / 2) * signed_sin, the same
 // products and sum: the same bits), into [rows, heads, length, dim] tensors; values a view of qkv.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> heads(const at::Tensor& qkv, int64_t rows, int64_t length,
                                                      int64_t dim, int64_t q_heads, int64_t kv_heads,
@@ -524,7 +524,7 @@ void copy_rows(at::TensorList key_buffers, at::TensorList value_buffers, at::Int
 
 // A prefix-cache hit's blocks (each [layers, 2 (keys, values), heads, tokens, dim], contiguous) one after another
 // into row `row` of every layer's keys and values ([rows, heads, room, dim], contiguous), the layers shared among
-// the threads: worker/cache.py's stacked_cache without a tensor per block and layer.
+// the threads: worker/hf/cache.py's stacked_cache without a tensor per block and layer.
 void join_blocks(at::TensorList blocks, at::TensorList keys, at::TensorList values, int64_t row) {
   const int64_t layers = static_cast<int64_t>(keys.size());
   TORCH_CHECK(!blocks.empty() && static_cast<int64_t>(values.size()) == layers,
@@ -563,7 +563,7 @@ void join_blocks(at::TensorList blocks, at::TensorList keys, at::TensorList valu
   });
 }
 
-// copy_rows, then each row's keys and values so far, views of its buffers (worker/scripted.py's write_rows).
+// copy_rows, then each row's keys and values so far, views of its buffers (worker/weights/scripted.py's write_rows).
 std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> write_rows(at::TensorList key_buffers,
                                                                         at::TensorList value_buffers,
                                                                         at::IntArrayRef lengths,
@@ -635,7 +635,7 @@ void silu_mul_rotate(const float* x, float* out, int64_t rows, int64_t width, in
   }
 }
 
-// The rest of a layer after attention, for a model whose norms have a gain of 1 (worker/rotation.py):
+// The rest of a layer after attention, for a model whose norms have a gain of 1 (worker/weights/rotation.py):
 // x + o_proj(attended), then + down_proj(rotated silu(gate) * up) of the normed sum.
 at::Tensor mlp_residual(const at::Tensor& x, const at::Tensor& attended, int64_t o_proj, int64_t gate_up,
                         int64_t down_proj, double eps, int64_t block) {

@@ -1,4 +1,4 @@
-// Arithmetic shared by worker/native.cpp and worker/blocks.cpp.
+// Arithmetic shared by worker/weights/native.cpp and worker/weights/blocks.cpp.
 #pragma once
 
 #include <algorithm>
@@ -34,7 +34,7 @@ inline float exp_poly(float x) {
 }
 
 // x [rows, 2 * width]: silu(first half) * second half, into out [rows, width], then with `block` > 0 each run of
-// `block` channels Hadamard-rotated; rows shared among the threads (worker/native.cpp).
+// `block` channels Hadamard-rotated; rows shared among the threads (worker/weights/native.cpp).
 void silu_mul_rows(const float* x, float* out, int64_t rows, int64_t width, int64_t block);
 
 }  // namespace llmserve
