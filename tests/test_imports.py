@@ -1,0 +1,75 @@
+"""The services' modules import one way: no module reaches itself through its imports. A circle works until someone
+imports its modules in another order, and then fails at import (a partially initialised module)."""
+
+from __future__ import annotations
+
+import ast
+import graphlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("common", "gateway", "scheduler", "worker", "llmserve")
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def imports(path: Path, known: set[str]) -> set[str]:
+    """What a module imports of ours at any depth of its code, with the packages whose __init__ each import runs."""
+    named = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            named.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            named.add(node.module)
+            named.update(f"{node.module}.{alias.name}" for alias in node.names)
+    taken = set()
+    for name in named:
+        parts = name.split(".")
+        taken.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return taken & known
+
+
+def graph() -> dict[str, set[str]]:
+    found = modules()
+    edges = {}
+    for name, path in found.items():
+        # A module's own packages are initialised before it, so importing them is no circle.
+        own = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+        edges[name] = imports(path, set(found)) - own - {name}
+    return edges
+
+
+def test_no_module_reaches_itself_through_its_imports():
+    try:
+        order = list(graphlib.TopologicalSorter(graph()).static_order())
+    except graphlib.CycleError as error:
+        pytest.fail(f"an import circle: {' -> '.join(error.args[1])}")
+    assert len(order) >= 60  # every service's modules were read
+
+
+def test_the_check_sees_a_circle():
+    edges = graph()
+    edges["worker.weights.quant"].add("worker.hf.cache")  # the circle this check was written after
+    edges["worker.hf.cache"].add("worker.weights.quant")
+    with pytest.raises(graphlib.CycleError):
+        list(graphlib.TopologicalSorter(edges).static_order())
+
+
+@pytest.mark.parametrize("first", ["worker.weights.quant", "worker.hf.cache", "worker.weights.paths",
+                                   "scheduler.vllm_metrics", "llmserve.topology", "common.settings"])
+def test_a_module_imports_first_in_a_fresh_process(first):
+    """Each module that was once in a circle imports on its own, before anything else of ours."""
+    done = subprocess.run([sys.executable, "-c", f"import {first}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
