@@ -27,6 +27,7 @@ class Settings:
     worker_dtype: str = "auto"
     worker_quant: str = "auto"
     worker_native: str = "auto"
+    worker_isa: str = "auto"
     worker_batching: str = "continuous"
     prefill_block: int = 0
     prefill_chunk: int = 16
@@ -104,6 +105,8 @@ class Settings:
             raise SettingsError(f"WORKER_QUANT={self.worker_quant!r}: expected auto, gguf, int8 or none")
         if self.worker_native not in ("auto", "on", "off"):
             raise SettingsError(f"WORKER_NATIVE={self.worker_native!r}: expected auto, on or off")
+        if self.worker_isa not in ("auto", "avx512", "avx2", "plain"):
+            raise SettingsError(f"WORKER_ISA={self.worker_isa!r}: expected auto, avx512, avx2 or plain")
         if self.engine not in ("auto", "hf", "vllm", "sim"):
             raise SettingsError(f"ENGINE={self.engine!r}: expected auto, hf, vllm or sim")
         if self.vllm_enforce_eager not in ("auto", "on", "off"):

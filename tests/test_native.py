@@ -299,6 +299,20 @@ def test_the_setting_s_modes(monkeypatch: pytest.MonkeyPatch) -> None:
         Settings(worker_native="yes").check()
 
 
+def test_worker_isa_caps_both_kernel_files_and_auto_gives_the_cpu_s_widest_back() -> None:
+    widest = (ops.block_isa(2), ops.attention_isa(2))
+    try:
+        assert native.cap("plain") == (0, 0)
+        assert native.cap("avx2") == (min(1, widest[0]), min(1, widest[1]))
+        assert native.cap("avx512") == widest
+        native.cap("plain")
+        assert native.cap("auto") == widest
+    finally:
+        native.cap("auto")
+    with pytest.raises(SettingsError, match="WORKER_ISA"):
+        Settings(worker_isa="sse4").check()
+
+
 def test_a_failed_build_falls_back_or_stops_the_worker(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
     from torch.utils import cpp_extension
 

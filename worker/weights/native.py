@@ -75,6 +75,18 @@ def load(mode: str = "auto") -> bool:
     return _build.loaded
 
 
+# WORKER_ISA's levels for both kernel files' isa setters: 0 plain, 1 AVX2 (with FMA), 2 AVX-512 (with VNNI for
+# the blocks); each setter keeps what the CPU lacks out of reach.
+ISA_LEVELS = {"plain": 0, "avx2": 1, "avx512": 2, "auto": 2}
+
+
+def cap(isa: str) -> tuple[int, int]:
+    """The loaded kernels at most at `isa` (WORKER_ISA); returns the levels the GGUF blocks and the attention now
+    run at."""
+    level = ISA_LEVELS[isa]
+    return int(ops.block_isa(level)), int(ops.attention_isa(level))
+
+
 def loaded() -> bool:
     """Whether the kernels are loaded (by an earlier load())."""
     return _build is not None and _build.loaded

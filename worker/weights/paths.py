@@ -39,6 +39,10 @@ def apply(model: PreTrainedModel, path: str, settings: Settings, gguf_file: str 
     """Put the model on `path` (choose's answer); returns the path it took. Where `auto` chose the blocks and they
     cannot serve (no kernels, a file of other block types), int8, with a warning that says why."""
     kernels = path != "none" and native.load(settings.worker_native)
+    if kernels:
+        blocks_level, attention_level = native.cap(settings.worker_isa)
+        log.info("kernels", extra={"isa": settings.worker_isa, "blocks_level": blocks_level,
+                                   "attention_level": attention_level})
     if path == "gguf":
         path = _take_blocks(model, settings, kernels, gguf_file)
     if path == "int8":
