@@ -94,7 +94,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3,
                         help="turns of every server; each level reports its median round by output tok/s")
-    parser.add_argument("--out", help="default: bench/results/peers-<host kind>.json (and its plot beside it)")
+    parser.add_argument("--benchmark", default="peers",
+                        help="the results' name, for a variant run (bench/results/<name>-<host kind>.json)")
+    parser.add_argument("--out", help="default: bench/results/<benchmark>-<host kind>.json (and its plot beside it)")
     parser.add_argument("--scripted-too", action="store_true",
                         help="a second llmserve series with WORKER_NATIVE=off (the compiled kernels off)")
     parser.add_argument("--int8-too", action="store_true",
@@ -141,7 +143,7 @@ def main() -> None:
               "series": series, "llmserve_over_llama_server": ratios,
               "rounds_output_tok_s": {name: [[level["output_tok_s"] for level in run] for run in runs]
                                       for name, runs in rounds.items()}}
-    out = write_results("peers", started, result, args.out)
+    out = write_results(args.benchmark, started, result, args.out)
     plot_sweeps(series, out.with_suffix(".png"), title=f"{args.new_tokens} new tokens, greedy, same GGUF")
     print(json.dumps(ratios, indent=2))
 

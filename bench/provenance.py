@@ -20,6 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 # The flags of /proc/cpuinfo that the CPU kernels (ours and the peers') choose between.
+# Settings in the environment that change which kernels run: a run's command names those it had.
+KERNEL_SETTINGS = ("ENGINE", "WORKER_QUANT", "WORKER_NATIVE", "WORKER_ISA", "ATEN_CPU_CAPABILITY")
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_vnni", "avx512_bf16",
              "avx_vnni", "amx_tile")
 
@@ -29,7 +31,8 @@ def provenance() -> dict[str, object]:
     return {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(),
             "isa": [flag for flag in ISA_FLAGS if flag in flags], "gpu": _gpu(), "commit": _git("rev-parse", "HEAD"),
             "dirty_tree": bool(_git("status", "--porcelain", "--untracked-files=no")),
-            "command": " ".join([Path(sys.executable).name, *sys.argv]), "load_average_at_start": os.getloadavg(),
+            "command": " ".join([*_kernel_settings(), Path(sys.executable).name, *sys.argv]),
+            "load_average_at_start": os.getloadavg(),
             "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
@@ -66,6 +69,10 @@ def update_results(benchmark: str, started: dict[str, object], parts: dict[str, 
               "provenance_of": {**previous.get("provenance_of", {}), **ran}}
     path.write_text(json.dumps(record, indent=2) + "\n")
     return path
+
+
+def _kernel_settings() -> list[str]:
+    return [f"{name}={os.environ[name]}" for name in KERNEL_SETTINGS if os.environ.get(name)]
 
 
 def _cpu() -> tuple[str, set[str]]:

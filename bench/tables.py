@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
+PEER_PATH = re.compile(r"(--llama-server|--llama-perplexity|--llama-cpp-python|--vllm-python) \S+")
 BEGIN, END = "<!-- tables:begin -->", "<!-- tables:end -->"
 # The README shows the kinds a user can tell their host by; runs whose host was not recorded stay in the docs.
 README_KINDS = ("gpu", "avx512", "avx2")
@@ -49,7 +51,8 @@ class Run:
     def source(self) -> str:
         """The command, commit and date of the run, for a table row."""
         p = self.provenance
-        return f"`{p.get('command', '?')}` | {str(p.get('commit', '?'))[:7]} | {str(p.get('at', '?'))[:10]}"
+        command = PEER_PATH.sub(r"\1 PATH", str(p.get("command", "?")))  # where a peer was built is the host's
+        return f"`{command}` | {str(p.get('commit', '?'))[:7]} | {str(p.get('at', '?'))[:10]}"
 
 
 def num(value: float | None, unit: str = "") -> str:
@@ -487,6 +490,9 @@ def generic(d: dict) -> tuple[str, Table]:
 RENDERERS: dict[str, tuple[str, Callable[[dict], tuple[str, Table]]]] = {
     "peers": ("llmserve against llama.cpp's server (`-t 2 -c 8192 --parallel 16`) on the same GGUF file, greedy, the "
               "servers taking turns for several rounds, each level's median round", peers),
+    "peers_avx2_paths": ("the same with both sides on their AVX2 code paths, the AVX2-only hosts' kernels on an "
+                         "AVX-512 host (`WORKER_ISA=avx2`, `ATEN_CPU_CAPABILITY=avx2`; llama-server built without "
+                         "AVX-512)", peers),
     "vllm_peers": ("the stack with `ENGINE=vllm` against vLLM's own OpenAI server on the same model and engine "
                    "arguments, the own engine beside them", vllm_peers),
     "prefix_cache": ("time to first token with a shared ~1,000-token prefix, the prefix cache on and off",

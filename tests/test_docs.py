@@ -61,7 +61,7 @@ def test_each_results_file_is_one_benchmark_on_one_host_kind_and_says_where_it_c
     provenance = record["provenance"]
     assert re.fullmatch(r"[0-9a-f]{40}", provenance["commit"]), provenance["commit"]
     assert re.match(r"\d{4}-\d{2}-\d{2}T", provenance["at"]), provenance["at"]
-    assert re.match(r"python[\d.]* bench/\w+\.py", provenance["command"]), provenance["command"]
+    assert re.match(r"([A-Z_]+=\S+ )*python[\d.]* bench/\w+\.py", provenance["command"]), provenance["command"]
     if record["host_kind"] == "unknown":
         assert provenance["isa"] == [] and "backfilled" in provenance
     else:
