@@ -287,6 +287,10 @@ class Scheduler:
         ids = sorted(member.decode() for member in self.redis.smembers(self.keys.workers))
         beats = parse_heartbeats(ids, self.redis.mget([self.keys.heartbeat(i) for i in ids]) if ids else [],
                                  self.limit, log)
+        if any(beat is None for beat in beats.values()) or self.workers.keys() - set(ids):
+            # A worker writes the Finished events of its last step before it leaves: read them now, after its
+            # leaving was seen, so that what finished just before is released, not moved and run again.
+            self._consume({self.keys.events: ">"}, block_ms=None)
         alive: dict[str, WorkerState] = {}
         for worker_id, beat in beats.items():
             if beat is None:

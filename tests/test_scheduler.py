@@ -13,6 +13,7 @@ from common.protocol import (
     PAYLOAD,
     Batch,
     Error,
+    Finished,
     Heartbeat,
     Keys,
     Result,
@@ -144,6 +145,29 @@ def test_a_lost_request_that_no_longer_fits_fails_and_its_worker_mates_move(r: r
     assert [(q.request_id, q.resume, q.migrations) for q in batch.sequences] == [("small", [7, 8], 1)]
     assert not r.exists(keys.assigned("dead")) and not r.sismember(keys.workers, "dead")
     scheduler(redis_url, ns)._take_over()  # a later leader starts cleanly
+
+
+def test_what_finished_just_before_its_worker_left_is_released_not_run_again(r: redis.Redis, redis_url: str,
+                                                                           ns: str) -> None:
+    keys = Keys(ns)
+    s = scheduler(redis_url, ns)
+    s._take_over()
+    worker_beat(r, keys, "w1")
+    worker_beat(r, keys, "w2")
+    s.next_refresh = 0
+    s._tick()
+    done, running = (Submit(rid, SamplingParams(), prompt="hi") for rid in ("done", "running"))
+    r.hset(keys.assigned("w1"), mapping={"done": encode(done, LIMIT), "running": encode(running, LIMIT)})
+    r.rpush(keys.progress("running"), 7)
+    # w1's last step releases "done", then w1 leaves (as a drained worker does), all between two of the scheduler's
+    # reads of the events: it sees w1 gone before it has read that Finished.
+    r.xadd(keys.events, {PAYLOAD: encode(Finished("w1", "done"), LIMIT)})
+    r.delete(keys.heartbeat("w1"))
+    r.srem(keys.workers, "w1")
+    s._refresh_workers()
+    s._tick()
+    moved = [(q.request_id, q.resume) for _, batch in inbox_batches(r, keys, "w2") for q in batch.sequences]
+    assert moved == [("running", [7])]
 
 
 def test_an_exception_on_one_request_fails_only_that_request(r: redis.Redis, redis_url: str, ns: str,
