@@ -287,22 +287,22 @@ class Scheduler:
         ids = sorted(member.decode() for member in self.redis.smembers(self.keys.workers))
         beats = parse_heartbeats(ids, self.redis.mget([self.keys.heartbeat(i) for i in ids]) if ids else [],
                                  self.limit, log)
-        if any(beat is None for beat in beats.values()) or self.workers.keys() - set(ids):
+        gone = [worker_id for worker_id, beat in beats.items() if beat is None] + sorted(self.workers.keys() - set(ids))
+        if gone:
             # A worker writes the Finished events of its last step before it leaves: read them now, after its
             # leaving was seen, so that what finished just before is released, not moved and run again.
             self._consume({self.keys.events: ">"}, block_ms=None)
+        for worker_id in gone:
+            self._lose(worker_id)
         alive: dict[str, WorkerState] = {}
         for worker_id, beat in beats.items():
             if beat is None:
-                self._lose(worker_id)
                 continue
             state = self.workers.get(worker_id) or self._joined(worker_id, beat.slots)
             state.draining = beat.draining
             state.prefixes = frozenset(beat.prefixes)
             state.models = frozenset(beat.serves())
             alive[worker_id] = state
-        for worker_id in self.workers.keys() - alive.keys() - set(ids):
-            self._lose(worker_id)
         self.workers = alive
 
     def _joined(self, worker_id: str, slots: int) -> WorkerState:
