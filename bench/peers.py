@@ -104,10 +104,13 @@ def main() -> None:
     args = parser.parse_args()
     started = provenance()
     gguf, threads, logs = bundled_gguf(), str(args.threads), Path("/tmp")
+    # A slot for every stream of the highest level, 512 tokens of context each (what a user sizing llama-server
+    # for this load would give it), so that no level queues behind its slots.
+    slots = max(args.concurrency)
 
     peers = {
-        "llama-server": (args.llama_server, {}, [args.llama_server, "-m", gguf, "-t", threads, "-c", "8192",
-                                                 "--parallel", "16", "-cb", "--host", "127.0.0.1", "--port"]),
+        "llama-server": (args.llama_server, {}, [args.llama_server, "-m", gguf, "-t", threads, "-c", str(512 * slots),
+                                                 "--parallel", str(slots), "-cb", "--host", "127.0.0.1", "--port"]),
         # Built against llama-server's shared libraries (no second compile), which it finds through this variable.
         "llama-cpp-python": (args.llama_cpp_python, {"LLAMA_CPP_LIB_PATH": str(Path(args.llama_server).parent)},
                              # By default a new request interrupts the one streaming; queue them instead.
@@ -139,7 +142,8 @@ def main() -> None:
                 "tok_s_ratio": ours["output_tok_s"] / peer["output_tok_s"],
                 "ttft_p50_s": {"llmserve": ours["ttft_s"]["p50"], "llama-server": peer["ttft_s"]["p50"]}}
     result = {"setup": {"gguf": gguf, "threads": args.threads, "new_tokens": args.new_tokens, "prompt_tokens": 32,
-                        "greedy": True, "concurrency": args.concurrency, "rounds": args.rounds},
+                        "greedy": True, "concurrency": args.concurrency, "rounds": args.rounds,
+                        "llama_server_slots": slots, "llama_server_context": 512 * slots},
               "series": series, "llmserve_over_llama_server": ratios,
               "rounds_output_tok_s": {name: [[level["output_tok_s"] for level in run] for run in runs]
                                       for name, runs in rounds.items()}}

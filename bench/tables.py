@@ -488,8 +488,9 @@ def generic(d: dict) -> tuple[str, Table]:
 
 
 RENDERERS: dict[str, tuple[str, Callable[[dict], tuple[str, Table]]]] = {
-    "peers": ("llmserve against llama.cpp's server (`-t 2 -c 8192 --parallel 16`) on the same GGUF file, greedy, the "
-              "servers taking turns for several rounds, each level's median round", peers),
+    "peers": ("llmserve against llama.cpp's server (`-t 2`; `--parallel` and `-c` as the setup's llama_server_slots "
+              "and llama_server_context, else 16 and 8192) on the same GGUF file, greedy, the servers taking turns for "
+              "several rounds, each level's median round", peers),
     "peers_avx2_paths": ("the same with both sides on their AVX2 code paths, the AVX2-only hosts' kernels on an "
                          "AVX-512 host (`WORKER_ISA=avx2`, `ATEN_CPU_CAPABILITY=avx2`; llama-server built without "
                          "AVX-512)", peers),

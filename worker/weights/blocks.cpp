@@ -141,13 +141,61 @@ void tile_plain(const uint8_t* tile, int64_t type, int64_t blocks, const Quantis
 
 #if defined(__x86_64__)
 
-// AVX2: a tile as two halves of 8 lanes, up to 4 rows at a time.
-template <int64_t TYPE, int R>
-__attribute__((target("avx2,fma,f16c"))) void half_tile_avx2(const uint8_t* tile, int64_t blocks,
-                                                             const Quantised* rows, float* out, int64_t stride,
-                                                             int64_t half) {
-  constexpr int64_t bytes = tile_block_bytes(TYPE), codes = code_bytes(TYPE);
+// AVX2, Q4_1: a tile as two vectors of 8 lanes, R rows at a time, each activation read serving both. A block's
+// four steps of code products are summed in 16 bits before one widening: a step's pair of maddubs is at most
+// 2 * 2 * 15 * 127 a lane, so four of them stay within int16.
+template <int R>
+__attribute__((target("avx2,fma,f16c"))) void tile_q4_avx2(const uint8_t* tile, int64_t blocks,
+                                                           const Quantised* rows, float* out, int64_t stride) {
+  constexpr int64_t bytes = tile_block_bytes(kQ4), codes = code_bytes(kQ4);
   const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = tile + b * bytes;
+    __m256i sums[R][2];
+    for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
+    // Unrolled, GCC schedules every product of the block first and spills them to the stack.
+#pragma GCC unroll 1
+    for (int64_t j = 0; j < 4; ++j) {
+      __m256i lo[2], hi[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + j * 64 + h * 32));
+        lo[h] = _mm256_and_si256(packed, low);
+        hi[h] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int8_t* q = rows[r].codes + b * kBlock + 4 * j;
+        const __m256i first = _mm256_set1_epi32(four_bytes(q)), second = _mm256_set1_epi32(four_bytes(q + 16));
+        for (int h = 0; h < 2; ++h) {
+          const __m256i a = _mm256_maddubs_epi16(lo[h], first), c = _mm256_maddubs_epi16(hi[h], second);
+          sums[r][h] = _mm256_add_epi16(sums[r][h], _mm256_add_epi16(a, c));
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + codes + h * 16)));
+      const __m256 mw =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + codes + 32 + h * 16)));
+      for (int r = 0; r < R; ++r) {
+        const __m256 p = _mm256_mul_ps(dw, _mm256_set1_ps(rows[r].scale[b]));
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r][h], ones)), p, acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(rows[r].scaled_sum[b]), acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + r * stride + h * 8, acc[r][h]);
+}
+
+// AVX2, Q8_0: a tile as two halves of 8 lanes, up to 4 rows at a time; |w| times q carrying w's sign (codes and
+// activations within [-127, 127]).
+template <int R>
+__attribute__((target("avx2,fma,f16c"))) void half_tile_q8_avx2(const uint8_t* tile, int64_t blocks,
+                                                                const Quantised* rows, float* out, int64_t stride,
+                                                                int64_t half) {
+  constexpr int64_t bytes = tile_block_bytes(kQ8), codes = code_bytes(kQ8);
+  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
@@ -155,36 +203,18 @@ __attribute__((target("avx2,fma,f16c"))) void half_tile_avx2(const uint8_t* tile
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + codes + half * 16)));
     __m256i sums[R];
     for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
-    if constexpr (TYPE == kQ4) {
-      for (int64_t j = 0; j < 4; ++j) {
-        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + j * 64 + half * 32));
-        const __m256i lo = _mm256_and_si256(packed, low), hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
-        for (int r = 0; r < R; ++r) {
-          const int8_t* q = rows[r].codes + b * kBlock + 4 * j;
-          const __m256i a = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(four_bytes(q)));
-          const __m256i c = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(four_bytes(q + 16)));
-          sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_add_epi16(a, c), ones));
-        }
-      }
-    } else {  // signed codes: |w| times q carrying w's sign (codes and activations within [-127, 127])
-      for (int64_t j = 0; j < 8; ++j) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + j * 64 + half * 32));
-        const __m256i magnitude = _mm256_sign_epi8(w, w);
-        for (int r = 0; r < R; ++r) {
-          const __m256i q = _mm256_set1_epi32(four_bytes(rows[r].codes + b * kBlock + 4 * j));
-          const __m256i a = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(q, w));
-          sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(a, ones));
-        }
+    for (int64_t j = 0; j < 8; ++j) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + j * 64 + half * 32));
+      const __m256i magnitude = _mm256_sign_epi8(w, w);
+      for (int r = 0; r < R; ++r) {
+        const __m256i q = _mm256_set1_epi32(four_bytes(rows[r].codes + b * kBlock + 4 * j));
+        const __m256i a = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(q, w));
+        sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(a, ones));
       }
     }
     for (int r = 0; r < R; ++r) {
       const __m256 p = _mm256_mul_ps(dw, _mm256_set1_ps(rows[r].scale[b]));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), p, acc[r]);
-      if constexpr (TYPE == kQ4) {
-        const __m256 mw =
-            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + codes + 32 + half * 16)));
-        acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(rows[r].scaled_sum[b]), acc[r]);
-      }
     }
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * stride + half * 8, acc[r]);
@@ -263,8 +293,12 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tiles_avx512(const u
 
 template <int64_t TYPE, int R>
 void rows_avx2(const uint8_t* tile, int64_t blocks, const Quantised* rows, float* out, int64_t stride) {
-  half_tile_avx2<TYPE, R>(tile, blocks, rows, out, stride, 0);
-  half_tile_avx2<TYPE, R>(tile, blocks, rows, out, stride, 1);
+  if constexpr (TYPE == kQ4) {
+    tile_q4_avx2<R>(tile, blocks, rows, out, stride);
+  } else {
+    half_tile_q8_avx2<R>(tile, blocks, rows, out, stride, 0);
+    half_tile_q8_avx2<R>(tile, blocks, rows, out, stride, 1);
+  }
 }
 
 // Rows [0, count) of T tiles, R at a time (R a power of 2 up to MAX), by Kernel<TYPE, R, T>.
