@@ -20,6 +20,7 @@ The functions at the end are what the engine does to a cache of either kind.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -119,6 +120,16 @@ class RaggedLayer(DynamicLayer):
         out = native.ops.write_and_attend(query, self.key_buffers, self.value_buffers, self.rows.lengths, key_states,
                                           value_states, scaling)
         self._commit(key_states.shape[2])
+        return out
+
+    def attend_with(self, shape: torch.Tensor,
+                    call: Callable[[list[torch.Tensor], list[torch.Tensor], list[int]], torch.Tensor]) -> torch.Tensor:
+        """A compiled layer that writes the forward's keys and values itself and attends (worker/weights/blocks.cpp's
+        block_layer), over every row's buffers and lengths: room first for `shape`'s tokens ([rows, heads, t,
+        dim], of which only the shape and type are read), the tokens committed after."""
+        self._make_room(shape, shape)
+        out = call(self.key_buffers, self.value_buffers, self.rows.lengths)
+        self._commit(shape.shape[2])
         return out
 
     def _make_room(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

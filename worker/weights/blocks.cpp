@@ -482,6 +482,28 @@ at::Tensor block_mlp_residual(const at::Tensor& x, const at::Tensor& attended, c
   return h.add_(block_linear(mixed, down_proj, width, std::nullopt, 0.0));
 }
 
+// A whole decoder layer over one ragged cache (worker/hf/cache.py), in one call instead of a dozen from Python: x
+// [rows, length, width] through RMSNorm and the fused q, k, v product, the rotary heads, the cache write and each
+// row's attention, then o_proj, the MLP and both residuals. The same calls in the same order as the layer's
+// Python forward (worker/weights/quant.py), so the same bits.
+at::Tensor block_layer(const at::Tensor& x, const at::Tensor& qkv, int64_t qkv_n, const at::Tensor& input_gain,
+                       const at::Tensor& o_proj, const at::Tensor& gate_up, const at::Tensor& down_proj, int64_t inner,
+                       const at::Tensor& post_gain, double eps, int64_t head_dim, int64_t q_heads, int64_t kv_heads,
+                       const at::Tensor& cos, const at::Tensor& signed_sin, at::TensorList key_buffers,
+                       at::TensorList value_buffers, at::IntArrayRef lengths, double scaling) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat, "llmserve::block_layer takes [rows, length, width]");
+  const int64_t rows = x.size(0), length = x.size(1), width = x.size(2);
+  const at::Tensor flat = x.contiguous().view({rows * length, width});
+  const at::Tensor projected = block_linear(flat, qkv, qkv_n, input_gain, eps);
+  auto [query, key, value] =
+      llmserve::rotary_heads(projected, rows, length, head_dim, q_heads, kv_heads, cos, signed_sin);
+  const at::Tensor attended =
+      llmserve::write_and_attend_rows(query, key_buffers, value_buffers, lengths, key, value, scaling);
+  return block_mlp_residual(flat, attended.reshape({rows * length, -1}), o_proj, gate_up, down_proj, inner, post_gain,
+                            eps)
+      .view({rows, length, width});
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmserve, m) {
@@ -490,4 +512,9 @@ TORCH_LIBRARY_FRAGMENT(llmserve, m) {
         "Tensor gain, float eps) -> Tensor",
         &block_mlp_residual);
   m.def("block_isa(int most) -> int", &block_isa);
+  m.def("block_layer(Tensor x, Tensor qkv, int qkv_n, Tensor input_gain, Tensor o_proj, Tensor gate_up, "
+        "Tensor down_proj, int inner, Tensor post_gain, float eps, int head_dim, int q_heads, int kv_heads, "
+        "Tensor cos, Tensor signed_sin, Tensor[] key_buffers, Tensor[] value_buffers, int[] lengths, float scaling) "
+        "-> Tensor",
+        &block_layer);
 }

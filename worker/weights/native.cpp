@@ -651,6 +651,18 @@ at::Tensor mlp_residual(const at::Tensor& x, const at::Tensor& attended, int64_t
 
 }  // namespace
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> llmserve::rotary_heads(
+    const at::Tensor& qkv, int64_t rows, int64_t length, int64_t dim, int64_t q_heads, int64_t kv_heads,
+    const at::Tensor& cos, const at::Tensor& signed_sin) {
+  return heads(qkv, rows, length, dim, q_heads, kv_heads, cos, signed_sin);
+}
+
+at::Tensor llmserve::write_and_attend_rows(const at::Tensor& query, at::TensorList key_buffers,
+                                           at::TensorList value_buffers, at::IntArrayRef lengths,
+                                           const at::Tensor& keys, const at::Tensor& values, double scaling) {
+  return write_and_attend(query, key_buffers, value_buffers, lengths, keys, values, scaling);
+}
+
 // silu_mul_rotate with the rows shared among the threads (rows apart: each row's bits its own).
 void llmserve::silu_mul_rows(const float* x, float* out, int64_t rows, int64_t width, int64_t block) {
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {

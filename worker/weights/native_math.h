@@ -1,10 +1,13 @@
 // Arithmetic shared by worker/weights/native.cpp and worker/weights/blocks.cpp.
 #pragma once
 
+#include <ATen/ATen.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 
 namespace llmserve {
 
@@ -36,5 +39,13 @@ inline float exp_poly(float x) {
 // x [rows, 2 * width]: silu(first half) * second half, into out [rows, width], then with `block` > 0 each run of
 // `block` channels Hadamard-rotated; rows shared among the threads (worker/weights/native.cpp).
 void silu_mul_rows(const float* x, float* out, int64_t rows, int64_t width, int64_t block);
+
+// native.cpp's rotary heads and its cache write with attention, for blocks.cpp's whole layer in one call.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_heads(const at::Tensor& qkv, int64_t rows, int64_t length,
+                                                            int64_t dim, int64_t q_heads, int64_t kv_heads,
+                                                            const at::Tensor& cos, const at::Tensor& signed_sin);
+at::Tensor write_and_attend_rows(const at::Tensor& query, at::TensorList key_buffers, at::TensorList value_buffers,
+                                 at::IntArrayRef lengths, const at::Tensor& keys, const at::Tensor& values,
+                                 double scaling);
 
 }  // namespace llmserve
