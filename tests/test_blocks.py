@@ -14,13 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from common.settings import Settings
-from worker.hf.cache import new_cache
+from worker.hf.cache import new_cache, select_rows
 from worker.hf.forward import Part, forward_parts
 from worker.hf.model import LoadedModel, load_model
 from worker.prompts import bundled_gguf
 from worker.weights import native
 from worker.weights.blocks import Q4_1, Q8_0, BlockError, BlockLinear, BlockLlamaLayer, FileTensor, quantize_blocks
-from worker.weights.quant import Int8LlamaLayer, takes_blocks_together
+from worker.weights.quant import Int8LlamaLayer, RowwiseLlamaLayer, takes_blocks_together
 
 pytestmark = pytest.mark.skipif(not native.load("auto"), reason="the compiled kernels do not build here")
 ops = torch.ops.llmserve
@@ -198,6 +198,39 @@ def test_the_default_model_runs_on_its_file_s_blocks_close_to_float32(loaded: Lo
         assert torch.equal(logits.argmax(-1)[clear], want[:, p].argmax(-1)[clear])
         compared += int(clear.sum())
     assert compared >= 4  # of the 10 positions: the choices compared are not a vacuous few
+
+
+def test_a_layer_in_one_call_gives_the_bits_of_its_calls_one_by_one(loaded: LoadedModel,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """block_layer (one part over a ragged cache) against the general path's dozen calls: a prefill, a row
+    leaving, then decode steps, each path over its own cache of the same tokens."""
+    model = loaded.model
+    torch.manual_seed(1)
+    ids = torch.randint(100, 5000, (3, 14))
+
+    def run() -> list[torch.Tensor]:
+        cache = new_cache(model.config, ragged=True)
+        with torch.inference_mode():
+            out = [forward_parts(model, [Part(ids[:, :10], torch.arange(10).expand(3, 10), cache)])[0]]
+            select_rows(cache, [0, 2])  # a row leaves: the rest go on
+            out += [forward_parts(model, [Part(ids[[0, 2], p:p + 1], torch.full((2, 1), p), cache)])[0]
+                    for p in range(10, 14)]
+        return out
+
+    calls = 0
+    fused = native.ops.block_layer
+
+    def counted(*args: object) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return fused(*args)
+
+    monkeypatch.setattr(native.ops, "block_layer", counted)
+    one_call = run()
+    assert calls == 5 * model.config.num_hidden_layers
+    monkeypatch.setattr(BlockLlamaLayer, "forward_parts", RowwiseLlamaLayer.forward_parts)
+    for got, want in zip(one_call, run(), strict=True):
+        assert torch.equal(got, want)
 
 
 def test_a_model_that_differs_from_its_file_is_refused() -> None:
