@@ -107,9 +107,10 @@ def main() -> None:
     # A slot for every stream of the highest level, 512 tokens of context each (what a user sizing llama-server
     # for this load would give it), so that no level queues behind its slots.
     slots = max(args.concurrency)
+    context = 512 * slots
 
     peers = {
-        "llama-server": (args.llama_server, {}, [args.llama_server, "-m", gguf, "-t", threads, "-c", str(512 * slots),
+        "llama-server": (args.llama_server, {}, [args.llama_server, "-m", gguf, "-t", threads, "-c", str(context),
                                                  "--parallel", str(slots), "-cb", "--host", "127.0.0.1", "--port"]),
         # Built against llama-server's shared libraries (no second compile), which it finds through this variable.
         "llama-cpp-python": (args.llama_cpp_python, {"LLAMA_CPP_LIB_PATH": str(Path(args.llama_server).parent)},
@@ -143,7 +144,7 @@ def main() -> None:
                 "ttft_p50_s": {"llmserve": ours["ttft_s"]["p50"], "llama-server": peer["ttft_s"]["p50"]}}
     result = {"setup": {"gguf": gguf, "threads": args.threads, "new_tokens": args.new_tokens, "prompt_tokens": 32,
                         "greedy": True, "concurrency": args.concurrency, "rounds": args.rounds,
-                        "llama_server_slots": slots, "llama_server_context": 512 * slots},
+                        "llama_server_slots": slots, "llama_server_context": context},
               "series": series, "llmserve_over_llama_server": ratios,
               "rounds_output_tok_s": {name: [[level["output_tok_s"] for level in run] for run in runs]
                                       for name, runs in rounds.items()}}

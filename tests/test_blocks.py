@@ -28,6 +28,15 @@ ISAS = sorted({ops.block_isa(level) for level in (0, 1, 2)})  # what this CPU ha
 ops.block_isa(2)
 
 
+def assert_the_same_on_every_instruction_set(layer: BlockLinear, x: torch.Tensor, want: torch.Tensor) -> None:
+    try:
+        for isa in ISAS:
+            assert ops.block_isa(isa) == isa
+            assert torch.equal(layer(x), want), f"instruction set {isa}"
+    finally:
+        ops.block_isa(2)
+
+
 def random_blocks(kind, n: int, k: int, seed: int) -> np.ndarray:
     """GGUF rows of random blocks ([n, bytes]): scales and minima of a trained layer's size, any codes."""
     rng = np.random.default_rng(seed)
@@ -93,12 +102,7 @@ def test_the_product_is_its_arithmetic_in_torch_bit_for_bit_on_every_instruction
     layer, raw = block_linear(kind, 40, 96, seed=rows)  # 40 outputs: the last tile half empty
     x = activations(rows, 96, seed=rows)
     want = reference(x, raw, kind)
-    try:
-        for isa in ISAS:
-            assert ops.block_isa(isa) == isa
-            assert torch.equal(layer(x), want), f"instruction set {isa}"
-    finally:
-        ops.block_isa(2)
+    assert_the_same_on_every_instruction_set(layer, x, want)
     float_product = x @ layer.dequantized().T  # and close to the float product: only activations are rounded
     assert (want - float_product).norm() < 0.02 * float_product.norm()
 
@@ -121,12 +125,7 @@ def test_the_largest_codes_and_activations_keep_their_exact_sums(kind) -> None:
     x[2, ::2] = -1.0  # alternating signs
     x[3:] *= torch.tensor([[1e-3], [1.0], [1e3]])
     want = reference(x, raw, kind)
-    try:
-        for isa in ISAS:
-            assert ops.block_isa(isa) == isa
-            assert torch.equal(layer(x), want), f"instruction set {isa}"
-    finally:
-        ops.block_isa(2)
+    assert_the_same_on_every_instruction_set(layer, x, want)
 
 
 @pytest.mark.parametrize("kind", [Q4_1, Q8_0])

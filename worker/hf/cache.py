@@ -116,11 +116,8 @@ class RaggedLayer(DynamicLayer):
         """A forward's update and row-wise causal attention in one call of worker/weights/native.cpp ([rows, heads, t,
         dim] each in, [rows, t, heads, dim] out), without a view of every row's keys and values in every layer.
         A decode step (t = 1): the same numbers as update() and then decode_attention over the rows it returns."""
-        self._make_room(key_states, value_states)
-        out = native.ops.write_and_attend(query, self.key_buffers, self.value_buffers, self.rows.lengths, key_states,
-                                          value_states, scaling)
-        self._commit(key_states.shape[2])
-        return out
+        return self.attend_with(key_states, lambda keys, values, lengths: native.ops.write_and_attend(
+            query, keys, values, lengths, key_states, value_states, scaling))
 
     def attend_with(self, shape: torch.Tensor,
                     call: Callable[[list[torch.Tensor], list[torch.Tensor], list[int]], torch.Tensor]) -> torch.Tensor:

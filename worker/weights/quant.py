@@ -61,17 +61,15 @@ class AttendingLayer(Protocol):
                     ) -> torch.Tensor: ...
 
 
-_attending_types: dict[type, bool] = {}
+@functools.cache
+def _attending_type(kind: type) -> bool:
+    return issubclass(kind, AttendingLayer)
 
 
 def attending(layer: object) -> bool:
     """isinstance(layer, AttendingLayer), known once per type: a protocol's own check walks its members on every
     call (microseconds, 30 times a decode step)."""
-    kind = type(layer)
-    known = _attending_types.get(kind)
-    if known is None:
-        known = _attending_types[kind] = isinstance(layer, AttendingLayer)
-    return known
+    return _attending_type(type(layer))
 
 
 class Int8Linear(nn.Module):
