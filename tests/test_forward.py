@@ -4,12 +4,14 @@ entries of its own forward through transformers, bit for bit; so do several bloc
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from worker.hf.cache import new_cache
 from worker.hf.forward import Part, causal_mask, forward_parts
-from worker.hf.model import LoadedModel
+from worker.hf.model import LoadedModel, pick_rows
 from worker.weights.quant import takes_blocks_together
 
 
@@ -25,9 +27,7 @@ def transformers_forward(loaded: LoadedModel, tokens: torch.Tensor, cache, depth
     rows, length = tokens.shape
     positions = torch.arange(depth, depth + length).expand(rows, length)
     mask = torch.ones(rows, depth + length, dtype=torch.long)
-    keep = last[:, None] if last is not None else 1
-    return loaded.model(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
-                        logits_to_keep=keep).logits[:, -1]
+    return loaded.logits(tokens, mask, positions, cache, last)
 
 
 def caches(loaded: LoadedModel) -> tuple:
@@ -100,3 +100,24 @@ def test_blocks_in_one_forward_are_each_block_s_own_forward_bit_for_bit(loaded: 
         assert layer_a.rows.lengths == layer_b.rows.lengths == [304, 304]
         for row in range(2):
             assert all(torch.equal(x, y) for x, y in zip(layer_a.row(row), layer_b.row(row), strict=True))
+
+
+def test_each_row_gets_its_own_position_from_the_last_kept_ones() -> None:
+    logits = torch.arange(2 * 3 * 4).reshape(2, 3, 4)  # 2 rows, the last 3 of 8 positions kept, 4 logits each
+    assert torch.equal(pick_rows(logits, 8, torch.tensor([7, 5])), torch.stack([logits[0, 2], logits[1, 0]]))
+    assert torch.equal(pick_rows(logits, 8, None), logits[:, -1])
+
+
+def test_transformers_before_5_24_gives_the_same_logits(loaded: LoadedModel) -> None:
+    """Before 5.24 transformers takes the cache as `past_key_values` and keeps the same positions in every row;
+    the worker extra allows those versions (vLLM's pins hold one), so LoadedModel.logits calls that way there.
+    Forced to (newer ones still take the old name), rows ending at different tokens get the same logits."""
+    older = dataclasses.replace(loaded)
+    older.__dict__["_current_forward"] = False
+    assert loaded._current_forward  # the venv's transformers: the other call is the one forced
+    block = torch.cat([ids(loaded, "A long prompt arrives here. ", 16), ids(loaded, "Bread and cakes daily. ", 16)])
+    last = torch.tensor([9, 15])
+    config = loaded.model.config
+    current = transformers_forward(loaded, block, new_cache(config, ragged=True), 0, last)
+    before = transformers_forward(older, block, new_cache(config, ragged=True), 0, last)
+    assert current.shape == before.shape == (2, loaded.vocab) and torch.equal(current, before)

@@ -424,9 +424,7 @@ class Engine:
         the attention mask `mask` makes (a padded cache's)."""
         if self.ragged:
             return forward_parts(self.loaded.model, [part])[0]
-        keep = 1 if part.last is None else part.last[:, None]
-        return self.loaded.model(input_ids=part.ids, attention_mask=mask(), position_ids=part.positions,
-                                 cache=part.cache, use_cache=True, logits_to_keep=keep).logits[:, -1]
+        return self.loaded.logits(part.ids, mask(), part.positions, part.cache, part.last)
 
     def _chunk_part(self, group: _Prefill, tokens: int) -> Part:
         """The inputs of `group`'s next `tokens` tokens (its cache made at the first chunk)."""

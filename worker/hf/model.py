@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,35 @@ class LoadedModel(Prompts):
     def vocab(self) -> int:
         """Width of the logits: the most a request's top_k can mean."""
         return int(self.model.config.vocab_size)
+
+    @functools.cached_property
+    def _current_forward(self) -> bool:
+        """transformers 5.24 on: the cache is passed as `cache` and `logits_to_keep` takes a position per row;
+        before, as `past_key_values`, and a tensor there keeps the same positions in every row."""
+        return "cache" in inspect.signature(self.model.forward).parameters
+
+    def logits(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: object,
+               last: torch.Tensor | None) -> torch.Tensor:
+        """[rows, vocab]: each row's logits at its token `last` (None: its last) through transformers' own forward
+        over `cache`, on any transformers the worker extra allows."""
+        if self._current_forward:
+            keep = 1 if last is None else last[:, None]
+            return self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+                              use_cache=True, logits_to_keep=keep).logits[:, -1]
+        width = ids.shape[1]
+        kept = 1 if last is None else width - int(last.min())
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                            use_cache=True, logits_to_keep=kept).logits
+        return pick_rows(logits, width, last)
+
+
+def pick_rows(logits: torch.Tensor, width: int, last: torch.Tensor | None) -> torch.Tensor:
+    """Each row's logits at its position `last` (None: the last) of `width`, from logits [rows, kept, vocab] of
+    the last `kept` positions of every row."""
+    if last is None:
+        return logits[:, -1]
+    kept = logits.shape[1]
+    return logits[torch.arange(len(logits), device=logits.device), last - (width - kept)]
 
 
 def _device_and_dtype(settings: Settings) -> tuple[torch.device, torch.dtype]:
