@@ -480,6 +480,52 @@ def models(d: dict) -> tuple[str, Table]:
     return head, table
 
 
+def cuda_stack(d: dict) -> tuple[str, Table]:
+    levels = d["levels"]
+    table = [["concurrency", "output tok/s", "TTFT p50", "ITL p50", "ITL p99", "failed"]]
+    for level in levels:
+        table.append([str(level["concurrency"]), num(level["output_tok_s"]), ms(level["ttft_s"]["p50"]),
+                      ms(level["itl_s"]["p50"]), ms(level["itl_s"]["p99"]), str(level["failed"])])
+    head = (f"output tok/s at concurrency {slash([str(level['concurrency']) for level in levels])}: "
+            f"{slash([num(level['output_tok_s']) for level in levels])}, "
+            f"{sum(level['failed'] for level in levels)} failed")
+    return head, table
+
+
+def cuda_decode(d: dict) -> tuple[str, Table]:
+    levels = d["levels"]
+    table = [["rows", "engine step p50", "forward p50", "tok/s"]]
+    for level in levels:
+        table.append([str(level["rows"]), num(level["step_ms_p50"], " ms"), num(level["forward_ms_p50"], " ms"),
+                      num(level["step_tok_s"])])
+    head = (f"decode step at {slash([str(level['rows']) for level in levels])} rows: "
+            f"{slash([num(level['step_ms_p50']) for level in levels])} ms")
+    return head, table
+
+
+def cuda_correctness(d: dict) -> tuple[str, Table]:
+    pairs = [key[:-len("_identical")] for key in d if key.endswith("_identical")]
+    table = [["pair", "completions identical", "positions agreeing"]]
+    for pair in pairs:
+        table.append([pair.replace("~", " vs "), str(d[f"{pair}_identical"]),
+                      pct(d[f"{pair}_positions_agreeing_share"], 1)])
+    alone = "engine_alone~hf_alone"
+    head = (f"greedy, the engine alone against HF `generate` alone: {d[f'{alone}_identical']} completions identical; "
+            f"largest top-logit lead where two parted {num(d['largest_divergence_gap'])}")
+    return head, table
+
+
+def cuda_attention(d: dict) -> tuple[str, Table]:
+    rows = list(d["off_over_on"])
+    table = [["turn", *[f"step p50, {r} rows" for r in rows]]]
+    for turn in d["turns"]:
+        table.append([f"cuDNN attention {'on' if turn['cudnn_attention'] else 'off'}",
+                      *[num(turn["step_ms_p50"][r], " ms") for r in rows]])
+    head = (f"decode step at {slash(rows)} rows, cuDNN's attention on over off (the default): "
+            f"**{slash([ratio(d['off_over_on'][r]) for r in rows])}**")
+    return head, table
+
+
 def generic(d: dict) -> tuple[str, Table]:
     """A benchmark this script has no renderer for: its top-level figures."""
     rows = [[key, num(value)] for key, value in d.items()
@@ -530,6 +576,13 @@ RENDERERS: dict[str, tuple[str, Callable[[dict], tuple[str, Table]]]] = {
     "grammar": ("structured outputs: the grammar's cost per step, schema-valid rates, grammar libraries", grammar),
     "hostile": ("hostile grammars and many clients resuming one stream, against a running stack", hostile),
     "models": ("several models behind one gateway", models),
+    "cuda_stack": ("the own engine on one GPU (`ENGINE=hf`, bfloat16, `WORKER_QUANT=none`) through the whole stack, "
+                   "64 new tokens, greedy (`bench/cuda.sh`)", cuda_stack),
+    "cuda_attention": ("the same engine's decode step with cuDNN's attention off (the default) and on, taking turns",
+                       cuda_attention),
+    "cuda_decode": ("the same engine's decode step alone on the GPU, 64 tokens of context", cuda_decode),
+    "cuda_correctness": ("the same engine's greedy completions against HF `generate` on the GPU, alone and in "
+                         "batches (bfloat16 parts batched from alone at near ties)", cuda_correctness),
 }
 ORDER = list(RENDERERS)
 

@@ -5,16 +5,19 @@ its own request."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import jsonschema
 import pytest
+from tokenizers import decoders
 
 from common import grammar
 from common.protocol import SamplingParams
 from tests.conftest import run_engine
 from worker.core import GrammarError
 from worker.hf.engine import Engine
+from worker.hf.grammar import Grammars
 from worker.hf.model import LoadedModel
 
 PERSON = {"type": "object", "properties": {
@@ -88,3 +91,22 @@ def test_a_grammar_the_engine_cannot_build_fails_alone(loaded: LoadedModel) -> N
     with pytest.raises(GrammarError):  # delivered tokens that break the grammar (a replay gone wrong)
         engine.add("odd", ids, constrained(PERSON), resume=loaded.tokenizer.encode("Hello", add_special_tokens=False))
     assert run(engine, {"ok": (ids, FREE)})["ok"][2] == "length"
+
+
+def test_a_byte_level_vocabulary_reads_as_bytes_whatever_decoder_transformers_wrote(loaded: LoadedModel) -> None:
+    """transformers 5.17 writes the default model's tokenizer (from its GGUF file) with a decoder sequence around
+    ByteLevel; read as written, the index took the space tokens for 'Ġ', and after `{"city":` a schema's `: `
+    allowed only a token that the matcher then refused. Both ways of writing it give the same index."""
+    older = copy.deepcopy(loaded.tokenizer)
+    older.backend_tokenizer.decoder = decoders.Sequence(
+        [decoders.ByteFallback(), decoders.Fuse(), decoders.Replace("\u2581", " "), decoders.ByteLevel()])
+    schema = grammar.json_schema({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
+    opened = loaded.tokenizer('{"city":', add_special_tokens=False)["input_ids"]
+    space_quote = loaded.tokenizer(' "', add_special_tokens=False)["input_ids"]
+    assert len(space_quote) == 1
+    allowed = []
+    for tokenizer in (loaded.tokenizer, older):
+        grammars = Grammars(tokenizer, loaded.vocab, loaded.eos_token_ids)
+        biases = grammars.biases([grammars.matcher(schema, opened)])[0]
+        allowed.append(set((biases == 0).nonzero().flatten().tolist()))
+    assert space_quote[0] in allowed[0] and allowed[0] == allowed[1]

@@ -4,11 +4,11 @@ Only that row's logits are masked, so constrained and free rows share a batch un
 
 from __future__ import annotations
 
+import json
 import threading
 
 import torch
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer
-from llguidance.hf import from_tokenizer
 from transformers import PreTrainedTokenizerBase
 
 from common.grammar import ENFORCED_ROW_ITEMS, GrammarError
@@ -17,6 +17,23 @@ from common.grammar import ENFORCED_ROW_ITEMS, GrammarError
 # A lookup per byte and one addition cost a quarter of unpacking the bits and filling the logits with them.
 _BYTE_BIASES = torch.tensor([[0.0 if (byte >> bit) & 1 else float("-inf") for bit in range(8)]
                              for byte in range(256)])
+
+
+def vocabulary_json(tokenizer: PreTrainedTokenizerBase) -> str:
+    """The tokenizer as the JSON llguidance reads its tokens' bytes from. A byte-level BPE whose decoder is a
+    sequence around ByteLevel (how transformers 5.17 writes a GGUF file's tokenizer: byte fallback, fuse,
+    replace, then ByteLevel) gets the ByteLevel step alone: read as written, its tokens' bytes were their
+    characters ('Ġ', not a space), and every grammar that needs a space failed at it."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise GrammarError("only a fast (Rust) tokenizer can take grammars")
+    spec = json.loads(backend.to_str())
+    spec["padding"] = spec["truncation"] = None
+    decoder, pre = spec.get("decoder") or {}, spec.get("pre_tokenizer") or {}
+    level = [step for step in decoder.get("decoders") or [] if step.get("type") == "ByteLevel"]
+    if decoder.get("type") == "Sequence" and level and pre.get("type") == "ByteLevel":
+        spec["decoder"] = level[0]
+    return json.dumps(spec)
 
 
 class Grammars:
@@ -35,7 +52,7 @@ class Grammars:
 
     def _build(self, tokenizer: PreTrainedTokenizerBase, vocab: int, eos: list[int]) -> None:
         try:
-            self._index = from_tokenizer(tokenizer, n_vocab=vocab, eos_token=eos)
+            self._index = LLTokenizer(vocabulary_json(tokenizer), n_vocab=vocab, eos_token=eos)
         except Exception as exc:  # a tokenizer llguidance cannot read: constrained requests fail, others run
             self._failure = exc
 

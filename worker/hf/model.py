@@ -82,6 +82,11 @@ def load_model(settings: Settings) -> LoadedModel:
         torch.set_num_threads(settings.worker_threads)
     path, extra = source(settings)
     device, dtype = _device_and_dtype(settings)
+    if device.type == "cuda":
+        # cuDNN's attention plans a graph for each new shape, and a decode step's keys grow by one every step:
+        # planning took more host time than the step's GPU work (docs/engine.md). Flash or memory-efficient
+        # attention serve instead.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     gguf_file = gguf_path(settings)
     # Before the slow part, so that a bad value fails at once.
     chosen = paths.choose(settings.worker_quant, device, gguf_file, quant.supported())
