@@ -30,19 +30,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.provenance import provenance, results_path, write_results  # noqa: E402
+from bench.stack_throughput import PROMPTS  # noqa: E402
 from common.protocol import SamplingParams  # noqa: E402
 from common.settings import Settings  # noqa: E402
 from llmserve.bench.workload import Lengths, make_jobs  # noqa: E402
 
-# The probes of the correctness part (bench/stack_throughput.py's first prompts).
-PROBES = [
-    "Write a short story about a lighthouse keeper who",
-    "Explain why the sky is blue in simple words:",
-    "The history of the printing press begins",
-    "List three ideas for a rainy Sunday afternoon:",
-    "def quicksort(items):",
-    "The best way to learn a new language is",
-]
+# The probes of the correctness part: bench/stack_throughput.py's first prompts.
+PROBES = PROMPTS[:6]
 # Where bench/cuda_pack.sh leaves the commit it packed, for a copy of the tree without git.
 PACKED_COMMIT = ROOT / ".cudabin" / "COMMIT"
 
@@ -55,10 +49,6 @@ def started_record() -> dict[str, object]:
         record["commit"] = lines[0]
         record["commit_from"] = "bench/cuda_pack.sh (no git where it ran)"
     return record
-
-
-def settings_from_env() -> Settings:
-    return Settings.from_env()
 
 
 def model_note(settings: Settings) -> dict[str, object]:
@@ -171,7 +161,7 @@ def correctness(args: argparse.Namespace) -> int:
     import torch
 
     started = started_record()
-    settings = settings_from_env()
+    settings = Settings.from_env()
     loaded = load(settings)
     device = loaded.device
     tokenizer = loaded.tokenizer
@@ -276,7 +266,7 @@ def decode(args: argparse.Namespace) -> int:
     from worker.hf.engine import Engine
 
     started = started_record()
-    settings = settings_from_env()
+    settings = Settings.from_env()
     loaded = load(settings)
     device = loaded.device
     generator = torch.Generator().manual_seed(0)
@@ -340,7 +330,7 @@ def stack(args: argparse.Namespace) -> int:
     from llmserve.launcher import free_port, private_stack
 
     started = started_record()
-    settings = settings_from_env()
+    settings = Settings.from_env()
     services = {"ENGINE": "hf", "WORKER_SLOTS": str(args.slots), "LOG_LEVEL": "WARNING",
                 "SCHEDULER_METRICS_PORT": str(free_port()), "WORKER_METRICS_PORT": str(free_port())}
     sampling = Sampling(temperature=0.0, ignore_eos=True)
