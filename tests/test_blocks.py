@@ -164,6 +164,27 @@ def test_a_gain_normalises_first_and_the_mlp_is_its_parts() -> None:
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max())
 
 
+def test_the_mlp_s_activation_has_the_same_bits_in_vectors_as_in_plain_loops() -> None:
+    """silu(gate) * up in vectors of 16 or 8 (WORKER_ISA's levels) and in plain loops: the same bits, gates far
+    into exp's clamped range included."""
+    x, gain = activations(5, 96, seed=5) * 40, torch.rand(96) + 0.5
+    o_proj, _ = block_linear(Q4_1, 96, 64, seed=6)
+    gate_up, _ = block_linear(Q4_1, 2 * 128, 96, seed=7)
+    down, _ = block_linear(Q4_1, 96, 128, seed=8)
+    attended = activations(5, 64, seed=9)
+    levels = sorted({ops.attention_isa(level) for level in (0, 1, 2)})
+    results = {}
+    try:
+        for level in levels:
+            assert ops.attention_isa(level) == level
+            results[level] = ops.block_mlp_residual(x, attended, o_proj.packed, gate_up.packed, down.packed, 128,
+                                                    gain, 1e-5)
+    finally:
+        ops.attention_isa(2)
+    for level in levels:
+        assert torch.equal(results[level], results[0]), f"instruction set {level}"
+
+
 def test_what_does_not_fit_is_refused_with_a_message() -> None:
     layer, _ = block_linear(Q4_1, 32, 64)
     with pytest.raises(RuntimeError, match="do not fit"):

@@ -119,6 +119,25 @@ def test_decode_attention_is_sdpa_s_to_rounding_and_each_row_its_own() -> None:
         torch.set_num_threads(THREADS)
 
 
+def test_decode_attention_is_sdpa_s_to_rounding_at_every_instruction_set_level() -> None:
+    """A decode step's kernel in vectors of 16 or 8 (WORKER_ISA's levels) and in plain loops: each SDPA's to
+    rounding, and row by row the same bits alone as in the batch."""
+    torch.manual_seed(4)
+    lengths = [1, 3, 4, 7, 64, 300]  # whole runs of four keys and the rest
+    query = torch.randn(len(lengths), 9, 1, 64)
+    keys, values = keys_and_values(lengths)
+    want = scripted.PLAIN["attend_rows"](query, keys, values, None, 0.125)
+    try:
+        for level in sorted({ops.attention_isa(level) for level in (0, 1, 2)}):
+            assert ops.attention_isa(level) == level
+            got = ops.decode_attention(query, keys, values, 0.125)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            alone = ops.decode_attention(query[4:5], keys[4:5], values[4:5], 0.125)
+            assert torch.equal(alone, got[4:5]), f"instruction set {level}"
+    finally:
+        ops.attention_isa(2)
+
+
 @pytest.mark.parametrize("length", [16, 5])
 def test_a_block_s_attention_is_causal_sdpa_s_to_rounding_and_each_row_its_own(length: int) -> None:
     """Several new tokens per row (a prefill block after the row's cached tokens): token i sees the cache and

@@ -29,6 +29,11 @@
 
 namespace {
 
+using llmserve::Ints16;
+using llmserve::Ints8;
+using llmserve::Lanes16;
+using llmserve::Lanes8;
+
 constexpr int64_t kBlock = 32;  // inputs per block
 constexpr int64_t kTile = 16;   // output channels per tile
 constexpr int64_t kQ4 = 2, kQ8 = 8;  // GGUF's type numbers: Q4_1 and Q8_0
@@ -56,19 +61,16 @@ inline float round_even(float x) {
 
 // Each row of x [rows, k] quantised per block of 32: codes in [-127, 127] with scale max|x| / 127. Every step is
 // exact or rounds one number alone, so vector width and threads change no bit.
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void quantise_rows(const float* x, int64_t rows, int64_t k, int8_t* codes, float* scale, float* scaled_sum) {
+void quantise_plain(const float* x, int64_t rows, int64_t k, int8_t* codes, float* scale, float* scaled_sum) {
   const int64_t blocks = k / kBlock;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t b = 0; b < blocks; ++b) {
       const float* in = x + r * k + b * kBlock;
       float top = 0.0f;
-#pragma omp simd reduction(max : top)
       for (int64_t i = 0; i < kBlock; ++i) top = std::max(top, std::fabs(in[i]));
       const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
       int32_t total = 0;
       int8_t* out = codes + r * k + b * kBlock;
-#pragma omp simd reduction(+ : total)
       for (int64_t i = 0; i < kBlock; ++i) {
         const int32_t q = static_cast<int32_t>(std::min(127.0f, std::max(-127.0f, round_even(in[i] * inverse))));
         out[i] = static_cast<int8_t>(q);
@@ -77,6 +79,49 @@ void quantise_rows(const float* x, int64_t rows, int64_t k, int8_t* codes, float
       const float a = top / 127.0f;
       scale[r * blocks + b] = a;
       scaled_sum[r * blocks + b] = a * static_cast<float>(total);
+    }
+  }
+}
+
+// The same in vectors of W lanes: a block's magnitudes masked out of its bits, rounded by the same sum, clamped,
+// and the sign given back to the integer.
+template <typename V, typename I>
+[[gnu::always_inline]] inline void quantise_lanes(const float* x, int64_t rows, int64_t k, int8_t* codes,
+                                                  float* scale, float* scaled_sum) {
+  constexpr int64_t W = sizeof(V) / sizeof(float), C = kBlock / W;
+  typedef int8_t Bytes __attribute__((vector_size(W)));
+  const int64_t blocks = k / kBlock;
+  const I magnitude = I{} + 0x7fffffff;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* in = x + r * k + b * kBlock;
+      V v[C], peak = {};
+      for (int64_t c = 0; c < C; ++c) {
+        v[c] = *reinterpret_cast<const V*>(in + c * W);
+        const I bits = reinterpret_cast<const I&>(v[c]) & magnitude;
+        const V size = reinterpret_cast<const V&>(bits);
+        peak = peak > size ? peak : size;
+      }
+      float top = 0.0f;
+      for (int64_t i = 0; i < W; ++i) top = std::max(top, peak[i]);
+      const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
+      I total = {};
+      for (int64_t c = 0; c < C; ++c) {
+        const V y = v[c] * inverse;
+        const I bits = reinterpret_cast<const I&>(y) & magnitude;
+        V rounded = (reinterpret_cast<const V&>(bits) + 12582912.0f) - 12582912.0f;  // round_even's sum
+        rounded = rounded < 127.0f ? rounded : 127.0f;
+        I q = __builtin_convertvector(rounded, I);
+        q = y < 0.0f ? -q : q;
+        total += q;
+        const Bytes narrow = __builtin_convertvector(q, Bytes);
+        std::memcpy(codes + r * k + b * kBlock + c * W, &narrow, sizeof narrow);
+      }
+      int32_t sum = 0;
+      for (int64_t i = 0; i < W; ++i) sum += total[i];
+      const float a = top / 127.0f;
+      scale[r * blocks + b] = a;
+      scaled_sum[r * blocks + b] = a * static_cast<float>(sum);
     }
   }
 }
@@ -366,6 +411,26 @@ Isa isa = kDetected;  // block_isa lowers it (tests compare the three)
 int64_t block_isa(int64_t most) {
   isa = static_cast<Isa>(std::min<int64_t>(std::max<int64_t>(most, kPlain), kDetected));
   return isa;
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) void quantise_avx2(const float* x, int64_t rows, int64_t k, int8_t* codes,
+                                                    float* scale, float* scaled_sum) {
+  quantise_lanes<Lanes8, Ints8>(x, rows, k, codes, scale, scaled_sum);
+}
+
+__attribute__((target("avx512f"))) void quantise_avx512(const float* x, int64_t rows, int64_t k, int8_t* codes,
+                                                         float* scale, float* scaled_sum) {
+  quantise_lanes<Lanes16, Ints16>(x, rows, k, codes, scale, scaled_sum);
+}
+#endif
+
+void quantise_rows(const float* x, int64_t rows, int64_t k, int8_t* codes, float* scale, float* scaled_sum) {
+#if defined(__x86_64__)
+  if (isa == kAvx512) return quantise_avx512(x, rows, k, codes, scale, scaled_sum);
+  if (isa == kAvx2) return quantise_avx2(x, rows, k, codes, scale, scaled_sum);
+#endif
+  quantise_plain(x, rows, k, codes, scale, scaled_sum);
 }
 
 // Rows [0, count) of `pair` (1 or 2) tiles side by side, `tile_bytes` apart, into out (16 floats a tile).

@@ -33,8 +33,13 @@
 
 namespace {
 
+using llmserve::exp_lanes;
 using llmserve::exp_poly;
 using llmserve::exp_reduced;
+using llmserve::Ints16;
+using llmserve::Ints8;
+using llmserve::Lanes16;
+using llmserve::Lanes8;
 
 using Packed = c10::intrusive_ptr<LinearPackedParamsBase>;
 
@@ -245,20 +250,6 @@ template <typename V, int NV>
   }
 }
 
-// exp_poly lane by lane, by the same operations (floor as truncation, less one where that rounded up).
-template <typename V, typename I>
-[[gnu::always_inline]] inline V exp_lanes(V x) {
-  const V high = V{} + 88.0f, low = V{} - 87.0f;
-  x = x < high ? x : high;
-  x = x > low ? x : low;
-  const V y = x * 1.44269504088896341f + 0.5f;
-  const V whole = __builtin_convertvector(__builtin_convertvector(y, I), V);
-  const I above = whole > y;  // -1 where truncation went up (negative y)
-  const V n = whole + __builtin_convertvector(above, V);
-  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
-  return exp_reduced(x, n) * reinterpret_cast<const V&>(bits);
-}
-
 template <typename V, typename I>
 [[gnu::always_inline]] inline void attend_lanes(const BlockWork& work) {
   constexpr int64_t W = sizeof(V) / sizeof(float);
@@ -291,12 +282,70 @@ template <typename V, typename I>
   if (v < lanes) value_pass<V, 1>(scores, lanes, v, values, n, dim, work.acc);
 }
 
-using Lanes8 = float __attribute__((vector_size(8 * sizeof(float)), aligned(sizeof(float))));
-using Ints8 = int32_t __attribute__((vector_size(8 * sizeof(int32_t)), aligned(sizeof(int32_t))));
-using Lanes16 = float __attribute__((vector_size(16 * sizeof(float)), aligned(sizeof(float))));
-using Ints16 = int32_t __attribute__((vector_size(16 * sizeof(int32_t)), aligned(sizeof(int32_t))));
 
 using BlockKernel = void (*)(const BlockWork&);
+
+// The decode kernel in vectors of the head's channels, for a head size known at compile time: four keys' scores
+// at a time (independent sums, each reduced across its lanes by halves), then each query's weighted sum of values
+// held in registers over all the unit's keys. Its own rounding (fused multiply-adds), like the block kernel's; a
+// unit's arithmetic depends only on its row and the vector width.
+template <typename V>
+[[gnu::always_inline]] inline float lane_sum(V v) {
+  constexpr int W = sizeof(V) / sizeof(float);
+  float lanes[W];
+  std::memcpy(lanes, &v, sizeof v);
+  for (int width = W / 2; width > 0; width /= 2) {
+    for (int i = 0; i < width; ++i) lanes[i] += lanes[i + width];
+  }
+  return lanes[0];
+}
+
+template <typename V, int64_t DIM>
+[[gnu::always_inline]] inline void attend_one_lanes(const float* q, int64_t q_head_stride, int64_t group,
+                                                    const float* keys, const float* values, int64_t begin,
+                                                    int64_t end, float scale, float* scores, float* m, float* l,
+                                                    float* acc) {
+  constexpr int64_t W = sizeof(V) / sizeof(float), C = DIM / W, kKeys = 4;
+  static_assert(DIM % W == 0, "a head of whole vectors");
+  const int64_t n = end - begin;
+  keys += begin * DIM;
+  values += begin * DIM;
+  for (int64_t g = 0; g < group; ++g) {
+    V query[C];
+    for (int64_t c = 0; c < C; ++c) query[c] = *reinterpret_cast<const V*>(q + g * q_head_stride + c * W);
+    float* row = scores + g * n;
+    int64_t j = 0;
+    for (; j + kKeys <= n; j += kKeys) {
+      V sum[kKeys] = {};
+      for (int64_t c = 0; c < C; ++c) {
+        for (int64_t k = 0; k < kKeys; ++k) sum[k] += query[c] * *reinterpret_cast<const V*>(keys + (j + k) * DIM + c * W);
+      }
+      for (int64_t k = 0; k < kKeys; ++k) row[j + k] = lane_sum(sum[k]) * scale;
+    }
+    for (; j < n; ++j) {
+      V sum = {};
+      for (int64_t c = 0; c < C; ++c) sum += query[c] * *reinterpret_cast<const V*>(keys + j * DIM + c * W);
+      row[j] = lane_sum(sum) * scale;
+    }
+    float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+    for (j = 0; j < n; ++j) top = std::max(top, row[j]);
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (j = 0; j < n; ++j) {
+      row[j] = exp_poly(row[j] - top);
+      total += row[j];
+    }
+    m[g] = top;
+    l[g] = total;
+    V sums[C] = {};
+    for (j = 0; j < n; ++j) {
+      const V p = V{} + row[j];
+      for (int64_t c = 0; c < C; ++c) sums[c] += p * *reinterpret_cast<const V*>(values + j * DIM + c * W);
+    }
+    for (int64_t c = 0; c < C; ++c) *reinterpret_cast<V*>(acc + g * DIM + c * W) = sums[c];
+  }
+}
 
 // Three builds of the block kernel. With AVX2 or AVX-512 each product and its sum are one fused multiply-add
 // (the kernel's own rounding: no ATen result to match here), so the two widths give the same bits; the plain
@@ -309,6 +358,24 @@ void attend_block_avx2(const BlockWork& work) { attend_lanes<Lanes8, Ints8>(work
 __attribute__((target("avx512f,fma"), optimize("fp-contract=fast")))
 void attend_block_avx512(const BlockWork& work) { attend_lanes<Lanes16, Ints16>(work); }
 
+using OneKernel = void (*)(const float*, int64_t, int64_t, const float*, const float*, int64_t, int64_t, int64_t,
+                           float, float*, float*, float*, float*);
+
+template <int64_t DIM>
+__attribute__((target("avx2,fma"), optimize("fp-contract=fast")))
+void attend_one_avx2(const float* q, int64_t stride, int64_t group, const float* keys, const float* values,
+                     int64_t begin, int64_t end, int64_t, float scale, float* scores, float* m, float* l, float* acc) {
+  attend_one_lanes<Lanes8, DIM>(q, stride, group, keys, values, begin, end, scale, scores, m, l, acc);
+}
+
+template <int64_t DIM>
+__attribute__((target("avx512f,fma"), optimize("fp-contract=fast")))
+void attend_one_avx512(const float* q, int64_t stride, int64_t group, const float* keys, const float* values,
+                       int64_t begin, int64_t end, int64_t, float scale, float* scores, float* m, float* l,
+                       float* acc) {
+  attend_one_lanes<Lanes16, DIM>(q, stride, group, keys, values, begin, end, scale, scores, m, l, acc);
+}
+
 // 0 plain, 1 AVX2 with FMA, 2 AVX-512: the most this CPU has; attention_isa lowers it (tests compare them).
 int64_t detected_attention_isa() {
   if (__builtin_cpu_supports("avx512f")) return 2;
@@ -320,6 +387,16 @@ int64_t block_attention_isa = detected_attention_isa();
 int64_t attention_isa(int64_t most) {
   block_attention_isa = std::min(std::max<int64_t>(most, 0), detected_attention_isa());
   return block_attention_isa;
+}
+
+// The decode kernel for a head of `dim` channels at the attention's level: vectors where the head size is known and
+// the CPU has AVX2 with FMA, else the plain loops.
+OneKernel one_kernel(int64_t dim) {
+  if (block_attention_isa == 2 && dim == 64) return attend_one_avx512<64>;
+  if (block_attention_isa == 2 && dim == 128) return attend_one_avx512<128>;
+  if (block_attention_isa >= 1 && dim == 64) return attend_one_avx2<64>;
+  if (block_attention_isa >= 1 && dim == 128) return attend_one_avx2<128>;
+  return dim == 64 ? attend_one<64> : dim == 128 ? attend_one<128> : attend_one<0>;
 }
 
 BlockKernel block_kernel() {
@@ -365,7 +442,7 @@ void attend(const at::Tensor& query, const std::vector<RowCache>& rows, int64_t 
   std::vector<float> results(units.size() * width);
   const float* q = query.data_ptr<float>();
   const float scale = static_cast<float>(scaling);
-  auto one = dim == 64 ? attend_one<64> : dim == 128 ? attend_one<128> : attend_one<0>;
+  const OneKernel one = one_kernel(dim);
   const BlockKernel block = block_kernel();
   at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t from, int64_t to) {
     std::vector<float> scores(kSplit * lanes), qt(t == 1 ? 0 : dim * lanes);
@@ -605,6 +682,39 @@ at::Tensor write_and_attend(const at::Tensor& query, at::TensorList key_buffers,
   return out;
 }
 
+// silu(gate) * up, element by element: in vectors, exp_lanes being exp_poly's own operations, the same bits as the
+// plain loop's (tested).
+template <typename V, typename I>
+[[gnu::always_inline]] inline void silu_mul_lanes(const float* gate, const float* up, float* out, int64_t width) {
+  constexpr int64_t W = sizeof(V) / sizeof(float);
+  int64_t i = 0;
+  for (; i + W <= width; i += W) {
+    const V g = *reinterpret_cast<const V*>(gate + i);
+    *reinterpret_cast<V*>(out + i) = g / (1.0f + exp_lanes<V, I>(-g)) * *reinterpret_cast<const V*>(up + i);
+  }
+  for (; i < width; ++i) out[i] = gate[i] / (1.0f + exp_poly(-gate[i])) * up[i];
+}
+
+void silu_mul_plain(const float* gate, const float* up, float* out, int64_t width) {
+  for (int64_t i = 0; i < width; ++i) out[i] = gate[i] / (1.0f + exp_poly(-gate[i])) * up[i];
+}
+
+__attribute__((target("avx2"))) void silu_mul_avx2(const float* gate, const float* up, float* out, int64_t width) {
+  silu_mul_lanes<Lanes8, Ints8>(gate, up, out, width);
+}
+
+__attribute__((target("avx512f"))) void silu_mul_avx512(const float* gate, const float* up, float* out,
+                                                         int64_t width) {
+  silu_mul_lanes<Lanes16, Ints16>(gate, up, out, width);
+}
+
+// At the attention's instruction set level (WORKER_ISA caps both).
+void silu_mul(const float* gate, const float* up, float* out, int64_t width) {
+  const auto kernel = block_attention_isa == 2 ? silu_mul_avx512 : block_attention_isa == 1 ? silu_mul_avx2
+                                                                                             : silu_mul_plain;
+  kernel(gate, up, out, width);
+}
+
 // x [rows, 2 * width]: silu(first half) * second half, then, with `block`, each run of `block` channels
 // times the normalised Sylvester-Hadamard matrix of that order (a power of 2): butterflies, then 1/sqrt.
 __attribute__((target_clones("avx2", "default")))
@@ -613,8 +723,7 @@ void silu_mul_rotate(const float* x, float* out, int64_t rows, int64_t width, in
     const float* gate = x + r * 2 * width;
     const float* up = gate + width;
     float* mixed = out + r * width;
-#pragma omp simd
-    for (int64_t i = 0; i < width; ++i) mixed[i] = gate[i] / (1.0f + exp_poly(-gate[i])) * up[i];
+    silu_mul(gate, up, mixed, width);
     if (block == 0) continue;
     const float norm = 1.0f / std::sqrt(static_cast<float>(block));
     for (int64_t start = 0; start < width; start += block) {

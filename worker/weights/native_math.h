@@ -36,6 +36,27 @@ inline float exp_poly(float x) {
   return exp_reduced(x, n) * scale;
 }
 
+// Vectors of 8 and 16 floats (or int32s), read and written at any float's alignment; the kernels' loops over them
+// compile for the instruction set of the function they are inlined into.
+using Lanes8 = float __attribute__((vector_size(8 * sizeof(float)), aligned(sizeof(float))));
+using Ints8 = int32_t __attribute__((vector_size(8 * sizeof(int32_t)), aligned(sizeof(int32_t))));
+using Lanes16 = float __attribute__((vector_size(16 * sizeof(float)), aligned(sizeof(float))));
+using Ints16 = int32_t __attribute__((vector_size(16 * sizeof(int32_t)), aligned(sizeof(int32_t))));
+
+// exp_poly lane by lane, by the same operations (floor as truncation, less one where that rounded up).
+template <typename V, typename I>
+[[gnu::always_inline]] inline V exp_lanes(V x) {
+  const V high = V{} + 88.0f, low = V{} - 87.0f;
+  x = x < high ? x : high;
+  x = x > low ? x : low;
+  const V y = x * 1.44269504088896341f + 0.5f;
+  const V whole = __builtin_convertvector(__builtin_convertvector(y, I), V);
+  const I above = whole > y;  // -1 where truncation went up (negative y)
+  const V n = whole + __builtin_convertvector(above, V);
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  return exp_reduced(x, n) * reinterpret_cast<const V&>(bits);
+}
+
 // x [rows, 2 * width]: silu(first half) * second half, into out [rows, width], then with `block` > 0 each run of
 // `block` channels Hadamard-rotated; rows shared among the threads (worker/weights/native.cpp).
 void silu_mul_rows(const float* x, float* out, int64_t rows, int64_t width, int64_t block);
