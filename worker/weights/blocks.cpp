@@ -40,6 +40,9 @@ constexpr int64_t kQ4 = 2, kQ8 = 8;  // GGUF's type numbers: Q4_1 and Q8_0
 // From this many rows two tiles share each activation read (AVX-512); below, one stream of weights per thread
 // reads faster (bench/blocks.py).
 constexpr int64_t kPairRows = 4;
+// Below kPairRows rows a kernel streams its tiles one after another (a thread's tiles are contiguous) and asks for
+// the block this far ahead in that stream, across the 4 KiB pages where the hardware's prefetcher stops.
+constexpr int64_t kAhead = 8;
 
 // Bytes of one tile's block: codes, then scales (and, for Q4_1, minima) as float16.
 constexpr int64_t code_bytes(int64_t type) { return type == kQ4 ? kTile * kBlock / 2 : kTile * kBlock; }
@@ -208,6 +211,7 @@ __attribute__((target("avx2,fma,f16c"))) void tile_q4_avx2(const uint8_t* tile, 
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = tile + b * bytes;
     if constexpr (R >= kPairRows) prefetch_block(block + blocks * bytes, bytes);
+    if constexpr (R < kPairRows) prefetch_block(block + kAhead * bytes, bytes);
     __m256i sums[R][2];
     for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
     // Unrolled, GCC schedules every product of the block first and spills them to the stack.
@@ -256,6 +260,7 @@ __attribute__((target("avx2,fma,f16c"))) void half_tile_q8_avx2(const uint8_t* t
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = tile + b * bytes;
     if (R >= kPairRows && half == 0) prefetch_block(block + blocks * bytes, bytes);
+    if (R < kPairRows && half == 0) prefetch_block(block + kAhead * bytes, bytes);
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + codes + half * 16)));
     __m256i sums[R];
     for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
@@ -293,6 +298,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tiles_avx512(const u
     __m512i sums[T][R];
     if constexpr (R >= kPairRows) {
       for (int t = 0; t < T; ++t) prefetch_block(tile + (T + t) * tile_bytes + b * bytes, bytes);
+    } else {
+      for (int t = 0; t < T; ++t) prefetch_block(tile + t * tile_bytes + (b + kAhead) * bytes, bytes);
     }
     for (int t = 0; t < T; ++t) {
       block[t] = tile + t * tile_bytes + b * bytes;
