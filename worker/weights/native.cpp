@@ -282,7 +282,6 @@ template <typename V, typename I>
   if (v < lanes) value_pass<V, 1>(scores, lanes, v, values, n, dim, work.acc);
 }
 
-
 using BlockKernel = void (*)(const BlockWork&);
 
 // The decode kernel in vectors of the head's channels, for a head size known at compile time: four keys' scores
@@ -318,7 +317,9 @@ template <typename V, int64_t DIM>
     for (; j + kKeys <= n; j += kKeys) {
       V sum[kKeys] = {};
       for (int64_t c = 0; c < C; ++c) {
-        for (int64_t k = 0; k < kKeys; ++k) sum[k] += query[c] * *reinterpret_cast<const V*>(keys + (j + k) * DIM + c * W);
+        for (int64_t k = 0; k < kKeys; ++k) {
+          sum[k] += query[c] * *reinterpret_cast<const V*>(keys + (j + k) * DIM + c * W);
+        }
       }
       for (int64_t k = 0; k < kKeys; ++k) row[j + k] = lane_sum(sum[k]) * scale;
     }
@@ -682,6 +683,10 @@ at::Tensor write_and_attend(const at::Tensor& query, at::TensorList key_buffers,
   return out;
 }
 
+void silu_mul_plain(const float* gate, const float* up, float* out, int64_t width) {
+  for (int64_t i = 0; i < width; ++i) out[i] = gate[i] / (1.0f + exp_poly(-gate[i])) * up[i];
+}
+
 // silu(gate) * up, element by element: in vectors, exp_lanes being exp_poly's own operations, the same bits as the
 // plain loop's (tested).
 template <typename V, typename I>
@@ -692,11 +697,7 @@ template <typename V, typename I>
     const V g = *reinterpret_cast<const V*>(gate + i);
     *reinterpret_cast<V*>(out + i) = g / (1.0f + exp_lanes<V, I>(-g)) * *reinterpret_cast<const V*>(up + i);
   }
-  for (; i < width; ++i) out[i] = gate[i] / (1.0f + exp_poly(-gate[i])) * up[i];
-}
-
-void silu_mul_plain(const float* gate, const float* up, float* out, int64_t width) {
-  for (int64_t i = 0; i < width; ++i) out[i] = gate[i] / (1.0f + exp_poly(-gate[i])) * up[i];
+  silu_mul_plain(gate + i, up + i, out + i, width - i);  // the last few
 }
 
 __attribute__((target("avx2"))) void silu_mul_avx2(const float* gate, const float* up, float* out, int64_t width) {
