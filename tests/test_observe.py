@@ -59,8 +59,14 @@ def test_every_service_exposes_its_metrics(stack: RunningStack) -> None:
 def test_the_trace_follows_a_request_across_every_hop(stack: RunningStack) -> None:
     with stack.client() as client:
         request_id, _ = stream(client, {"prompt": "The quick brown", "max_tokens": 5, "temperature": 0})
-        trace = client.get(f"/v1/requests/{request_id}/trace").json()
-    hops = [event["hop"] for event in trace["events"]]
+        # The gateway records "delivered" once the stream's last event is written, which the client may read first.
+        deadline = time.monotonic() + 5
+        while True:
+            trace = client.get(f"/v1/requests/{request_id}/trace").json()
+            hops = [event["hop"] for event in trace["events"]]
+            if hops[-1:] == JOURNEY[-1:] or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
     assert hops == JOURNEY
     services = {event["hop"]: event["service"] for event in trace["events"]}
     assert services["received"] == "gateway" and services["dispatched"] == "scheduler"
