@@ -6,6 +6,7 @@ them, close to float32; and the settings fail or fall back as documented."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import gguf
 import numpy as np
@@ -220,10 +221,11 @@ def test_the_default_model_runs_on_its_file_s_blocks_close_to_float32(loaded: Lo
     assert compared >= 4  # of the 10 positions: the choices compared are not a vacuous few
 
 
-def test_a_layer_in_one_call_gives_the_bits_of_its_calls_one_by_one(loaded: LoadedModel,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """block_layer (one part over a ragged cache) against the general path's dozen calls: a prefill, a row
-    leaving, then decode steps, each path over its own cache of the same tokens."""
+def test_the_stack_in_one_call_gives_the_bits_of_its_layers_one_by_one(loaded: LoadedModel,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """block_layers (every layer of one part over a ragged cache, in one call) against block_layer called layer by
+    layer, and both against the general path's dozen calls a layer: a prefill, a row leaving, then decode steps,
+    each path over its own cache of the same tokens."""
     model = loaded.model
     torch.manual_seed(1)
     ids = torch.randint(100, 5000, (3, 14))
@@ -237,19 +239,21 @@ def test_a_layer_in_one_call_gives_the_bits_of_its_calls_one_by_one(loaded: Load
                     for p in range(10, 14)]
         return out
 
-    calls = 0
-    fused = native.ops.block_layer
+    calls = {"block_layers": 0, "block_layer": 0}
+    for name in calls:
+        def counted(*args: object, name: str = name, op: Callable = getattr(native.ops, name)) -> torch.Tensor:
+            calls[name] += 1
+            return op(*args)
 
-    def counted(*args: object) -> torch.Tensor:
-        nonlocal calls
-        calls += 1
-        return fused(*args)
-
-    monkeypatch.setattr(native.ops, "block_layer", counted)
-    one_call = run()
-    assert calls == 5 * model.config.num_hidden_layers
+        monkeypatch.setattr(native.ops, name, counted)
+    whole = run()
+    assert calls == {"block_layers": 5, "block_layer": 0}  # one call a forward
+    monkeypatch.setattr(BlockLlamaLayer, "forward_stack", RowwiseLlamaLayer.forward_stack)
+    by_layer = run()
+    assert calls == {"block_layers": 5, "block_layer": 5 * model.config.num_hidden_layers}
     monkeypatch.setattr(BlockLlamaLayer, "forward_parts", RowwiseLlamaLayer.forward_parts)
-    for got, want in zip(one_call, run(), strict=True):
+    for got, one_by_one, want in zip(whole, by_layer, run(), strict=True):
+        assert torch.equal(got, one_by_one)
         assert torch.equal(got, want)
 
 

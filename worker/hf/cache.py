@@ -124,10 +124,7 @@ class RaggedLayer(DynamicLayer):
         """A compiled layer that writes the forward's keys and values itself and attends (worker/weights/blocks.cpp's
         block_layer), over every row's buffers and lengths: room first for `shape`'s tokens ([rows, heads, t,
         dim], of which only the shape and type are read), the tokens committed after."""
-        self._make_room(shape, shape)
-        out = call(self.key_buffers, self.value_buffers, self.rows.lengths)
-        self._commit(shape.shape[2])
-        return out
+        return attend_layers([self], shape, call)
 
     def _make_room(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Buffers for a fresh cache's rows, and every row's room for the new tokens."""
@@ -162,6 +159,19 @@ class RaggedLayer(DynamicLayer):
     def row(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         length = self.rows.lengths[row]
         return self.key_buffers[row].narrow(2, 0, length), self.value_buffers[row].narrow(2, 0, length)
+
+
+def attend_layers(layers: list[RaggedLayer], shape: torch.Tensor,
+                  call: Callable[[list[torch.Tensor], list[torch.Tensor], list[int]], torch.Tensor]) -> torch.Tensor:
+    """`RaggedLayer.attend_with` for several layers of one cache in one call (worker/weights/blocks.cpp's
+    block_layers): every layer's buffers, layer after layer, each row's in order; the rows' lengths are shared."""
+    for layer in layers:
+        layer._make_room(shape, shape)
+    out = call([buffer for layer in layers for buffer in layer.key_buffers],
+               [buffer for layer in layers for buffer in layer.value_buffers], layers[0].rows.lengths)
+    for layer in layers:
+        layer._commit(shape.shape[2])
+    return out
 
 
 def new_cache(config: PreTrainedConfig, ragged: bool = False, capacity: int = 0) -> DynamicCache:

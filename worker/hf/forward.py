@@ -44,8 +44,8 @@ def forward_parts(model: PreTrainedModel, parts: list[Part]) -> list[torch.Tenso
     rope = [rotary_factors(*inner.rotary_emb(h, part.positions)) for h, part in zip(hidden, parts, strict=True)]
     masks = [causal_mask(part) for part in parts]
     caches = [part.cache for part in parts]
-    for layer in inner.layers:
-        hidden = layer.forward_parts(hidden, rope, masks, caches)
+    layers = inner.layers
+    hidden = type(layers[0]).forward_stack(layers, hidden, rope, masks, caches)
     picked = [h[:, -1] if part.last is None else h[torch.arange(len(h), device=h.device), part.last]
               for h, part in zip(hidden, parts, strict=True)]
     rows = [len(p) for p in picked]

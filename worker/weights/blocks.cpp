@@ -590,6 +590,28 @@ at::Tensor block_layer(const at::Tensor& x, const at::Tensor& qkv, int64_t qkv_n
       .view({rows, length, width});
 }
 
+// Every decoder layer of the stack in turn, in one call from Python instead of one a layer: block_layer over layer
+// l's weights and its rows' buffers (key_buffers and value_buffers hold every layer's rows, layer after layer). The
+// same calls in the same order, so the same bits as the layers called one by one.
+at::Tensor block_layers(const at::Tensor& x, at::TensorList qkv, int64_t qkv_n, at::TensorList input_gains,
+                        at::TensorList o_proj, at::TensorList gate_up, at::TensorList down_proj, int64_t inner,
+                        at::TensorList post_gains, double eps, int64_t head_dim, int64_t q_heads, int64_t kv_heads,
+                        const at::Tensor& cos, const at::Tensor& signed_sin, at::TensorList key_buffers,
+                        at::TensorList value_buffers, at::IntArrayRef lengths, double scaling) {
+  const int64_t layers = static_cast<int64_t>(qkv.size()), rows = static_cast<int64_t>(lengths.size());
+  TORCH_CHECK(input_gains.size() == qkv.size() && o_proj.size() == qkv.size() && gate_up.size() == qkv.size() &&
+                  down_proj.size() == qkv.size() && post_gains.size() == qkv.size() &&
+                  static_cast<int64_t>(key_buffers.size()) == layers * rows && value_buffers.size() == key_buffers.size(),
+              "llmserve::block_layers: one of each weight a layer, and each layer's buffers for every row");
+  at::Tensor hidden = x;
+  for (int64_t l = 0; l < layers; ++l) {
+    hidden = block_layer(hidden, qkv[l], qkv_n, input_gains[l], o_proj[l], gate_up[l], down_proj[l], inner,
+                         post_gains[l], eps, head_dim, q_heads, kv_heads, cos, signed_sin,
+                         key_buffers.slice(l * rows, rows), value_buffers.slice(l * rows, rows), lengths, scaling);
+  }
+  return hidden;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmserve, m) {
@@ -603,4 +625,9 @@ TORCH_LIBRARY_FRAGMENT(llmserve, m) {
         "Tensor cos, Tensor signed_sin, Tensor[] key_buffers, Tensor[] value_buffers, int[] lengths, float scaling) "
         "-> Tensor",
         &block_layer);
+  m.def("block_layers(Tensor x, Tensor[] qkv, int qkv_n, Tensor[] input_gains, Tensor[] o_proj, Tensor[] gate_up, "
+        "Tensor[] down_proj, int inner, Tensor[] post_gains, float eps, int head_dim, int q_heads, int kv_heads, "
+        "Tensor cos, Tensor signed_sin, Tensor[] key_buffers, Tensor[] value_buffers, int[] lengths, float scaling) "
+        "-> Tensor",
+        &block_layers);
 }

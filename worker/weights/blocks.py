@@ -18,6 +18,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import gguf
@@ -27,6 +28,7 @@ from torch import nn
 from transformers import Cache, PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
+from worker.hf.cache import attend_layers
 from worker.weights import native
 from worker.weights.quant import ROWWISE_ATTENTION, RowwiseLlamaLayer, attending, plain_llama
 
@@ -171,6 +173,7 @@ class BlockLlamaLayer(RowwiseLlamaLayer):
                  down_proj: BlockLinear) -> None:
         super().__init__(layer, native=True)
         self.qkv, self.o_proj, self.gate_up, self.down_proj = qkv, o_proj, gate_up, down_proj
+        self.stack: BlockStack | None = None  # every layer of its model, once quantize_blocks has them all
         self.gains = (self.input_layernorm.weight.detach().float().contiguous(),
                       self.post_attention_layernorm.weight.detach().float().contiguous())
 
@@ -193,6 +196,17 @@ class BlockLlamaLayer(RowwiseLlamaLayer):
 
         return [cache.attend_with(x.new_empty(()).expand(rows, self.kv_heads, length, self.head_dim), layer)]
 
+    @staticmethod
+    def forward_stack(layers: Sequence[RowwiseLlamaLayer], hidden: list[torch.Tensor],
+                      rope: list[tuple[torch.Tensor, torch.Tensor]], masks: list[torch.Tensor | None],
+                      caches: list[Cache]) -> list[torch.Tensor]:
+        """One part over a ragged cache: every layer in one compiled call (`BlockStack`), not 30 from Python."""
+        stack = layers[0].stack
+        cache = caches[0] if len(hidden) == 1 else None
+        if stack is None or cache is None or not attending(cache.layers[0]):
+            return RowwiseLlamaLayer.forward_stack(layers, hidden, rope, masks, caches)
+        return [stack.forward(hidden[0], rope[0], cache)]
+
     def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
         # The kernel itself: a module call's hooks cost more than nothing 30 times a step.
         return native.ops.block_linear(x, self.qkv.packed, self.qkv.out_features, self.gains[0], self.norm_eps)
@@ -201,6 +215,36 @@ class BlockLlamaLayer(RowwiseLlamaLayer):
         return native.ops.block_mlp_residual(x, attended, self.o_proj.packed, self.gate_up.packed,
                                              self.down_proj.packed, self.down_proj.in_features, self.gains[1],
                                              self.norm_eps)
+
+
+class BlockStack:
+    """A model's `BlockLlamaLayer`s side by side, for blocks.cpp's block_layers: each weight's list over the
+    layers, gathered once."""
+
+    def __init__(self, layers: list[BlockLlamaLayer]) -> None:
+        first = layers[0]
+        self.first = first
+        self.qkv = [layer.qkv.packed for layer in layers]
+        self.input_gains = [layer.gains[0] for layer in layers]
+        self.o_proj = [layer.o_proj.packed for layer in layers]
+        self.gate_up = [layer.gate_up.packed for layer in layers]
+        self.down_proj = [layer.down_proj.packed for layer in layers]
+        self.post_gains = [layer.gains[1] for layer in layers]
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: Cache) -> torch.Tensor:
+        """x [rows, length, width] through every layer over the ragged `cache`: the same calls as the layers'
+        own block_layer one by one, so the same bits."""
+        first, (cos, signed_sin) = self.first, rope
+        rows, length = x.shape[:2]
+
+        def layers(keys: list[torch.Tensor], values: list[torch.Tensor], lengths: list[int]) -> torch.Tensor:
+            return native.ops.block_layers(x, self.qkv, first.qkv.out_features, self.input_gains, self.o_proj,
+                                           self.gate_up, self.down_proj, first.down_proj.in_features,
+                                           self.post_gains, first.norm_eps, first.head_dim, first.q_heads,
+                                           first.kv_heads, cos, signed_sin, keys, values, lengths, first.scaling)
+
+        shape = x.new_empty(()).expand(rows, first.kv_heads, length, first.head_dim)
+        return attend_layers(cache.layers, shape, layers)
 
 
 def _llama_rows(n: int, heads: int) -> np.ndarray:
@@ -243,7 +287,9 @@ def quantize_blocks(model: PreTrainedModel, path: str) -> int:
                                       linear([blk + "ffn_down.weight"], [mlp.down_proj])))
     head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     lm_head = linear([head], [model.lm_head])
+    stack = BlockStack(layers)
     for i, layer in enumerate(layers):
+        layer.stack = stack  # not a module: the layers' own tensors, listed
         model.model.layers[i] = layer
     model.lm_head = lm_head
     model.set_attn_implementation(ROWWISE_ATTENTION)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -176,6 +176,15 @@ class RowwiseLlamaLayer(nn.Module):
     def mlp_residual(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """The layer after attention: x + o_proj(attended), then the MLP of its norm and that residual."""
         raise NotImplementedError
+
+    @staticmethod
+    def forward_stack(layers: Sequence[RowwiseLlamaLayer], hidden: list[torch.Tensor],
+                      rope: list[tuple[torch.Tensor, torch.Tensor]], masks: list[torch.Tensor | None],
+                      caches: list[Cache]) -> list[torch.Tensor]:
+        """`forward_parts` through every decoder layer in turn (a subclass may take them all in one call)."""
+        for layer in layers:
+            hidden = layer.forward_parts(hidden, rope, masks, caches)
+        return hidden
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, cache: Cache | None = None,
