@@ -240,12 +240,15 @@ def test_the_stack_in_one_call_gives_the_bits_of_its_layers_one_by_one(loaded: L
         return out
 
     calls = {"block_layers": 0, "block_layer": 0}
-    for name in calls:
-        def counted(*args: object, name: str = name, op: Callable = getattr(native.ops, name)) -> torch.Tensor:
+
+    def counting(name: str, op: Callable) -> Callable:
+        def counted(*args: object) -> torch.Tensor:
             calls[name] += 1
             return op(*args)
+        return counted
 
-        monkeypatch.setattr(native.ops, name, counted)
+    for name in calls:
+        monkeypatch.setattr(native.ops, name, counting(name, getattr(native.ops, name)))
     whole = run()
     assert calls == {"block_layers": 5, "block_layer": 0}  # one call a forward
     monkeypatch.setattr(BlockLlamaLayer, "forward_stack", RowwiseLlamaLayer.forward_stack)
