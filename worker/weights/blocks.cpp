@@ -598,13 +598,14 @@ at::Tensor block_layers(const at::Tensor& x, at::TensorList qkv, int64_t qkv_n, 
                         at::TensorList post_gains, double eps, int64_t head_dim, int64_t q_heads, int64_t kv_heads,
                         const at::Tensor& cos, const at::Tensor& signed_sin, at::TensorList key_buffers,
                         at::TensorList value_buffers, at::IntArrayRef lengths, double scaling) {
-  const int64_t layers = static_cast<int64_t>(qkv.size()), rows = static_cast<int64_t>(lengths.size());
-  TORCH_CHECK(input_gains.size() == qkv.size() && o_proj.size() == qkv.size() && gate_up.size() == qkv.size() &&
-                  down_proj.size() == qkv.size() && post_gains.size() == qkv.size() &&
-                  static_cast<int64_t>(key_buffers.size()) == layers * rows && value_buffers.size() == key_buffers.size(),
-              "llmserve::block_layers: one of each weight a layer, and each layer's buffers for every row");
+  const size_t layers = qkv.size(), rows = lengths.size();
+  for (const at::TensorList& weights : {input_gains, o_proj, gate_up, down_proj, post_gains}) {
+    TORCH_CHECK(weights.size() == layers, "llmserve::block_layers: one of each weight a layer");
+  }
+  TORCH_CHECK(key_buffers.size() == layers * rows && value_buffers.size() == layers * rows,
+              "llmserve::block_layers: each layer's buffers for every row");
   at::Tensor hidden = x;
-  for (int64_t l = 0; l < layers; ++l) {
+  for (size_t l = 0; l < layers; ++l) {
     hidden = block_layer(hidden, qkv[l], qkv_n, input_gains[l], o_proj[l], gate_up[l], down_proj[l], inner,
                          post_gains[l], eps, head_dim, q_heads, kv_heads, cos, signed_sin,
                          key_buffers.slice(l * rows, rows), value_buffers.slice(l * rows, rows), lengths, scaling);
