@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -54,6 +55,33 @@ def test_many_streams_over_four_sim_workers() -> None:
 
         counts = wait_for(counted, 10, "the heartbeats to count the burst")
         assert all(counts), counts  # it spread over every worker
+
+
+def test_what_reaches_a_generating_worker_is_taken_in_between_its_steps() -> None:
+    """A worker that is generating reads its inbox between its steps: a request that arrives mid-stream joins the
+    running batch and is answered long before the stream could end, and the stream's cancel, when its client
+    leaves, frees its slot."""
+    with sim_stack(1, SIM_STEP_MS="20") as running:
+        keys, r = Keys("llmserve"), redis.Redis.from_url(running.redis_url)
+        body = {"prompt": "hello", "max_tokens": 400, "ignore_eos": True}
+        with httpx.Client(base_url=running.url, timeout=60) as client, \
+                client.stream("POST", "/generate_stream", json=body) as stream:
+            tokens = (line for line in stream.iter_lines() if line.startswith("data:") and '"index"' in line)
+            for _ in range(5):
+                next(tokens)
+            started = time.monotonic()
+            short = client.post("/generate", json={"prompt": "hi", "max_tokens": 3})
+            took = time.monotonic() - started
+            assert short.status_code == 200 and short.json()["completion_tokens"] == 3
+            # The stream has 395 steps of 20 ms to go: a request queued behind it would wait that long.
+            assert took < 395 * 0.020 / 2, took
+            next(tokens)
+
+        def running_count() -> int:
+            ids = [m.decode() for m in r.smembers(keys.workers)]
+            return sum(decode(raw, Heartbeat, 1 << 20).running for raw in r.mget([keys.heartbeat(i) for i in ids]))
+
+        wait_for(lambda: running_count() == 0, 10, "the worker to drop the abandoned stream")
 
 
 def test_static_sim_batching_waits_for_the_whole_batch() -> None:
