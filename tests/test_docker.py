@@ -32,7 +32,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PROJECT = "llmserve-e2e"
 BASES = ("python:3.11-slim", "redis:7-alpine")
 TORCH_INDEX_PORT = 18731
-LONG = {"prompt": "Write a long essay about the history of ships.", "max_tokens": 48, "temperature": 0,
+# Long enough that the SIGTERM, sent a few hundred ms after its eighth token (a lookup, `docker ps`, `docker kill`),
+# lands while it still runs on the fastest host.
+LONG = {"prompt": "Write a long essay about the history of ships.", "max_tokens": 240, "temperature": 0,
         "ignore_eos": True}
 
 
@@ -217,7 +219,7 @@ def test_two_workers_both_serve(compose: Compose) -> None:
 def test_a_worker_sigtermed_mid_stream_loses_nothing(compose: Compose) -> None:
     compose("up", "-d", "--no-build", "--scale", "worker=2")
     wait_for(lambda: compose.health().get("workers") == 2, 300, "two workers in /health", 1)
-    expected = stream(compose.url, LONG).text
+    expected, count = stream(compose.url, LONG).text, LONG["max_tokens"]
     stopped: list[str] = []
 
     def stop_its_worker(request_id: str, index: int) -> None:
@@ -232,10 +234,10 @@ def test_a_worker_sigtermed_mid_stream_loses_nothing(compose: Compose) -> None:
         others = [pool.submit(stream, compose.url, LONG) for _ in range(3)]
         got = stream(compose.url, LONG, stop_its_worker)
         for other in others:
-            assert (other.result().indexes, other.result().text) == (list(range(48)), expected)
+            assert (other.result().indexes, other.result().text) == (list(range(count)), expected)
     assert stopped, "the stream ended before the worker could be stopped"
-    assert got.indexes == list(range(48)) and got.text == expected
-    assert got.final["finish_reason"] == "length" and got.final["completion_tokens"] == 48
+    assert got.indexes == list(range(count)) and got.text == expected
+    assert got.final["finish_reason"] == "length" and got.final["completion_tokens"] == count
     workers = dispatched_to(compose.url, got.request_id)
     assert len(workers) == 2 and workers[0].startswith(stopped[0][:12]), workers
     state = json.loads(run("docker", "inspect", "--format", "{{json .State}}", stopped[0]).stdout)
