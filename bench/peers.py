@@ -59,18 +59,19 @@ def peer_server(argv: list[str], env: dict[str, str], port: int, log: Path) -> I
             process.wait(30)
 
 
-async def measure(url: str, concurrencies: list[int], new_tokens: int, name: str) -> list[dict]:
-    """Per level, twice as many requests as are in flight (at least 8), so every level runs full."""
+async def measure(url: str, args: argparse.Namespace, name: str) -> list[dict]:
+    """Per level of args.concurrency, twice as many requests as are in flight (at least 8), so every level runs
+    full."""
     target = Target(url, "openai")
     target = Target(url, "openai", discover_model(target))
     sampling = Sampling(temperature=0.0, ignore_eos=True)
-    prompt = Lengths("fixed", 32)
+    prompt = Lengths("fixed", args.prompt_tokens)
     await run_level(target, make_jobs(4, prompt, Lengths("fixed", 8), 99), sampling, Level(4, None),
                     show_progress=False)
     print(f"\n{name} at {url}\n{HEADER}", flush=True)
     levels = []
-    for concurrency in concurrencies:
-        jobs = make_jobs(max(8, 2 * concurrency), prompt, Lengths("fixed", new_tokens), seed=concurrency)
+    for concurrency in args.concurrency:
+        jobs = make_jobs(max(8, 2 * concurrency), prompt, Lengths("fixed", args.new_tokens), seed=concurrency)
         levels.append(await run_level(target, jobs, sampling, Level(concurrency, None), seed=concurrency))
         print(format_row(levels[-1]), flush=True)
         for error in levels[-1]["errors"]:
@@ -90,6 +91,7 @@ def main() -> None:
     parser.add_argument("--llama-server", default=LLAMA_SERVER)
     parser.add_argument("--llama-cpp-python", default=LLAMA_CPP_PYTHON)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32, 64])
+    parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3,
@@ -129,11 +131,11 @@ def main() -> None:
         for name, env in ours.items():
             with private_stack(1, WORKER_THREADS=threads, WORKER_SLOTS=str(max(args.concurrency)),
                                LOG_LEVEL="WARNING", **env) as stack:
-                rounds[name].append(asyncio.run(measure(stack.url, args.concurrency, args.new_tokens, name)))
+                rounds[name].append(asyncio.run(measure(stack.url, args, name)))
         for name, (_, env, argv) in peers.items():
             port = free_port()
             with peer_server([*argv, str(port)], {**os.environ, **env}, port, logs / f"bench-{name}.log") as url:
-                rounds[name].append(asyncio.run(measure(url, args.concurrency, args.new_tokens, name)))
+                rounds[name].append(asyncio.run(measure(url, args, name)))
     series = {name: median_levels(runs) for name, runs in rounds.items()}
 
     ratios = {}
@@ -142,9 +144,9 @@ def main() -> None:
             ratios[str(ours["concurrency"])] = {
                 "tok_s_ratio": ours["output_tok_s"] / peer["output_tok_s"],
                 "ttft_p50_s": {"llmserve": ours["ttft_s"]["p50"], "llama-server": peer["ttft_s"]["p50"]}}
-    result = {"setup": {"gguf": gguf, "threads": args.threads, "new_tokens": args.new_tokens, "prompt_tokens": 32,
-                        "greedy": True, "concurrency": args.concurrency, "rounds": args.rounds,
-                        "llama_server_slots": slots, "llama_server_context": context},
+    result = {"setup": {"gguf": gguf, "threads": args.threads, "new_tokens": args.new_tokens,
+                        "prompt_tokens": args.prompt_tokens, "greedy": True, "concurrency": args.concurrency,
+                        "rounds": args.rounds, "llama_server_slots": slots, "llama_server_context": context},
               "series": series, "llmserve_over_llama_server": ratios,
               "rounds_output_tok_s": {name: [[level["output_tok_s"] for level in run] for run in runs]
                                       for name, runs in rounds.items()}}
