@@ -540,6 +540,7 @@ RENDERERS: dict[str, tuple[str, Callable[[dict], tuple[str, Table]]]] = {
     "peers_avx2_paths": ("the same with both sides on their AVX2 code paths, the AVX2-only hosts' kernels on an "
                          "AVX-512 host (`WORKER_ISA=avx2`, `ATEN_CPU_CAPABILITY=avx2`; llama-server built without "
                          "AVX-512)", peers),
+    "peers_prompt64": ("the same with 64-token prompts (`--prompt-tokens 64`), issue 29's own workload", peers),
     "vllm_peers": ("the stack with `ENGINE=vllm` against vLLM's own OpenAI server on the same model and engine "
                    "arguments, the own engine beside them", vllm_peers),
     "prefix_cache": ("time to first token with a shared ~1,000-token prefix, the prefix cache on and off",
