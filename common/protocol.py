@@ -324,6 +324,17 @@ class Keys:
     def inbox(self, worker_id: str) -> str:
         return self._worker(worker_id, "inbox")
 
+    def worker_keys(self) -> str:
+        """A SCAN pattern of every worker's own keys (inbox, assignments)."""
+        namespace = "".join(f"\\{c}" if c in "*?[]\\" else c for c in self.ns)  # matched as written
+        return f"{namespace}:worker:{{*}}:*"
+
+    def worker_of(self, key: str) -> str | None:
+        """The worker whose own key `key` is (one `worker_keys` matches), else None."""
+        prefix = f"{self.ns}:worker:{{"
+        worker_id, tag_closed, _kind = key.removeprefix(prefix).rpartition("}:")
+        return worker_id if key.startswith(prefix) and tag_closed and worker_id else None
+
     def results(self, request_id: str) -> str:
         return self._request("out", request_id)
 
@@ -386,6 +397,12 @@ REQUEST_STREAM_MAXLEN = 100_000
 EVENT_STREAM_MAXLEN = 100_000
 INBOX_MAXLEN = 10_000
 DEAD_LETTER_MAXLEN = 1_000
+
+# A worker's inbox and assignments expire this long after the last write or renewal: the leading scheduler
+# renews them while the worker lives and deletes them once it has moved the worker's work, so the expiry only
+# reaps the keys of a worker that left while no scheduler watched. As long as a request's delivered tokens are
+# kept (an hour from its first token), so that whatever could still be resumed can still be found.
+WORKER_KEYS_TTL_SECONDS = 3600
 
 
 SCHEDULER_GROUP = "scheduler"

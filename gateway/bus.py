@@ -17,6 +17,7 @@ from common.protocol import (
     INBOX_MAXLEN,
     PAYLOAD,
     REQUEST_STREAM_MAXLEN,
+    WORKER_KEYS_TTL_SECONDS,
     Cancel,
     Detokenize,
     Error,
@@ -354,8 +355,12 @@ class Bus:
 
     async def tell(self, worker_id: str, message: Tokenize | Detokenize) -> None:
         """A question for one worker (not a request: the scheduler has no part in it), into its inbox."""
-        await self.redis.xadd(self.keys.inbox(worker_id), {PAYLOAD: encode(message, self.limit)},
-                              maxlen=INBOX_MAXLEN, approximate=True)
+        inbox = self.keys.inbox(worker_id)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xadd(inbox, {PAYLOAD: encode(message, self.limit)}, maxlen=INBOX_MAXLEN, approximate=True)
+        # The worker may be lost, and its inbox deleted, by the time this lands: then nobody deletes it again.
+        pipe.expire(inbox, WORKER_KEYS_TTL_SECONDS)
+        await pipe.execute()
 
     # What the watching routes read.
 

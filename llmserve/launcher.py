@@ -55,19 +55,19 @@ def redis_reachable(url: str) -> bool:
         return False
 
 
-def spawn_redis(url: str, maxmemory: str = Settings.redis_maxmemory) -> subprocess.Popen[bytes]:
+def spawn_redis(url: str, maxmemory: str = Settings.redis_maxmemory, *options: str) -> subprocess.Popen[bytes]:
     """An embedded Redis on the port of `url`, keeping nothing on disk and, as in docker-compose.yml,
-    refusing writes when full rather than evicting live state."""
+    refusing writes when full rather than evicting live state; `options` are more of redis-server's."""
     port = urlparse(url).port or 6379
     command = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-               "--appendonly", "no", "--maxmemory", maxmemory, "--maxmemory-policy", "noeviction"]
+               "--appendonly", "no", "--maxmemory", maxmemory, "--maxmemory-policy", "noeviction", *options]
     return popen(command, stdout=subprocess.DEVNULL)
 
 
-def start_redis(url: str, maxmemory: str = Settings.redis_maxmemory) -> subprocess.Popen[bytes]:
+def start_redis(url: str, maxmemory: str = Settings.redis_maxmemory, *options: str) -> subprocess.Popen[bytes]:
     """`spawn_redis`, once it answers."""
     port = urlparse(url).port or 6379
-    process = spawn_redis(url, maxmemory)
+    process = spawn_redis(url, maxmemory, *options)
     wait_until(lambda: process.poll() is not None or redis_reachable(url), 10, f"redis-server on port {port}")
     if process.poll() is not None:
         raise RuntimeError(f"redis-server could not start on port {port}")

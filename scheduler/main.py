@@ -27,6 +27,7 @@ from common.protocol import (
     PAYLOAD,
     REQUEST_STREAM_MAXLEN,
     SCHEDULER_GROUP,
+    WORKER_KEYS_TTL_SECONDS,
     Batch,
     Cancel,
     Error,
@@ -82,6 +83,8 @@ class Scheduler:
         self.workers: dict[str, WorkerState] = {}
         self.model_of: dict[str, str] = {}  # request_id -> its model, while a worker runs it
         self.next_refresh = 0.0
+        self.next_renewal = 0.0  # of the live workers' keys' expiry
+        self.swept = False  # for the keys of workers that left while no scheduler led
         # A standby or a demoted leader shows no work: only the leader's gauges count.
         for gauge in (metrics.WAITING, metrics.WORKERS, metrics.FREE_SLOTS):
             gauge.set(0)
@@ -168,6 +171,7 @@ class Scheduler:
                       block_ms=int(self.settings.heartbeat_interval * 1000))
         if now() >= self.next_refresh:
             self._refresh_workers()
+            self._tend_worker_keys()
             self._expire()
             self._publish_models()
         self._dispatch()
@@ -247,6 +251,7 @@ class Scheduler:
         for worker in self.workers.values():
             if rid in worker.assigned:
                 pipe.xadd(self.keys.inbox(worker.worker_id), {PAYLOAD: encode(cancel, self.limit)})
+                pipe.expire(self.keys.inbox(worker.worker_id), WORKER_KEYS_TTL_SECONDS)
                 log.info("cancel forwarded", extra={"request_id": rid, "worker_id": worker.worker_id})
                 return
 
@@ -316,9 +321,34 @@ class Scheduler:
         log.info("worker joined", extra={"worker_id": worker_id, "slots": slots, "running": len(known)})
         return WorkerState(worker_id, slots, known)
 
+    def _tend_worker_keys(self) -> None:
+        """Per-worker keys last no longer than their worker. Once per leadership, the inbox or assignments of a
+        worker with no heartbeat (one that left while no scheduler led: a clean stop also takes it off the set
+        of workers, so nothing else names it) are handled as a lost worker's; and every so often the live
+        workers' keys get their expiry pushed back, so that only the keys of a worker nobody saw leave lapse."""
+        if not self.swept:
+            found = {self.keys.worker_of(key.decode())
+                     for key in self.redis.scan_iter(match=self.keys.worker_keys(), count=1000)}
+            unseen = sorted(found - self.workers.keys() - {None})
+            # One that started beating since the refresh is alive (a gateway may have asked it something).
+            beats = self.redis.mget([self.keys.heartbeat(i) for i in unseen]) if unseen else []
+            for worker_id, beat in zip(unseen, beats, strict=True):
+                if beat is None:
+                    self._lose(worker_id)
+            self.swept = True
+        if now() < self.next_renewal:
+            return
+        self.next_renewal = now() + WORKER_KEYS_TTL_SECONDS / 4
+        pipe = self.redis.pipeline(transaction=False)
+        for worker_id in self.workers:
+            pipe.expire(self.keys.inbox(worker_id), WORKER_KEYS_TTL_SECONDS)
+            pipe.expire(self.keys.assigned(worker_id), WORKER_KEYS_TTL_SECONDS)
+        pipe.execute()
+
     def _lose(self, worker_id: str) -> None:
         """Put the requests of a worker that is gone back on the stream, each with the tokens it has
-        already delivered. Each request is handled on its own: one that cannot move fails alone."""
+        already delivered, then remove the worker's keys. Each request is handled on its own: one that cannot
+        move fails alone."""
         assigned = self.redis.hgetall(self.keys.assigned(worker_id))
         if assigned:
             metrics.WORKERS_LOST.inc()
@@ -438,6 +468,8 @@ class Scheduler:
                       mapping={item.request_id: encode(item.submit, self.limit) for item in items})
             pipe.xadd(self.keys.inbox(worker_id), {PAYLOAD: encode(batch, self.limit)},
                       maxlen=INBOX_MAXLEN, approximate=True)
+            for key in (self.keys.assigned(worker_id), self.keys.inbox(worker_id)):
+                pipe.expire(key, WORKER_KEYS_TTL_SECONDS)
             metrics.BATCHES.inc()
             for item in items:
                 self.workers[worker_id].assigned[item.request_id] = item.tenant

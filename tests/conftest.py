@@ -4,6 +4,7 @@ helpers every test file shares: a stack of ENGINE=sim workers, an engine stepped
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -16,10 +17,13 @@ import redis
 from common.clients import sync_client
 from common.protocol import Keys, SamplingParams
 from common.settings import Settings
-from llmserve.launcher import PrivateStack, Stack, free_port, private_stack
+from llmserve.launcher import PrivateStack, Stack, free_port, private_stack, start_redis
 from llmserve.launcher import wait_until as wait_for
 
-if TYPE_CHECKING:  # torch and the model load only where a test asks for them
+if TYPE_CHECKING:  # torch, the model and the SDKs load only where a test asks for them
+    import openai
+    from transformers import PreTrainedTokenizerBase
+
     from worker.core import StepOutput
     from worker.hf.engine import Engine
     from worker.hf.model import LoadedModel
@@ -65,6 +69,36 @@ def dispatched_to(url: str, request_id: str, headers: dict | None = None) -> lis
     return workers_of(url, request_id, "dispatched", headers)
 
 
+@contextmanager
+def redis_server(password: str = "") -> Iterator[str]:
+    """A redis-server of the test's own on a free port, started as every stack starts its own; yields its URL."""
+    port = free_port()
+    url = f"redis://{f':{password}@' if password else ''}127.0.0.1:{port}/0"
+    process = start_redis(url, Settings.redis_maxmemory, *(("--requirepass", password) if password else ()))
+    try:
+        yield url
+    finally:
+        process.terminate()
+        process.wait()
+
+
+def native_kernels() -> None:
+    """For a module of tests of the compiled kernels: skipped only on a host without what the README says they
+    need (a C++ compiler and ninja); there, a build that fails is an error of the whole module, not a skip."""
+    from torch.utils import cpp_extension
+
+    from worker.weights import native
+
+    if not (shutil.which(cpp_extension.get_cxx_compiler()) and cpp_extension.is_ninja_available()):
+        pytest.skip("no C++ compiler or ninja on this host: the compiled kernels cannot build", allow_module_level=True)
+    native.load("on")  # raises the build's error
+
+
+def pid_of(service_id: str) -> int:
+    """The process of a worker or scheduler: its id is host-pid-suffix (common/runtime.py)."""
+    return int(service_id.split("-")[-2])
+
+
 def responds(url: str) -> bool:
     try:
         return httpx.get(url).status_code < 500
@@ -82,6 +116,31 @@ def stack() -> Iterator[RunningStack]:
                 "SCHEDULER_METRICS_PORT": str(free_port()), "WORKER_METRICS_PORT": str(free_port())}
     with private_stack(STACK_WORKERS, **settings) as running:
         yield RunningStack(running.url, sync_client(running.redis_url), Keys("test"), running.stack)
+
+
+def openai_client(url: str, **options: object) -> openai.OpenAI:
+    """The official SDK on a gateway's /v1, with no retries of its own: a failure shows where it happened."""
+    import openai
+
+    return openai.OpenAI(**{"base_url": f"{url}/v1", "api_key": "unused", "max_retries": 0, "timeout": 180,
+                            **options})
+
+
+@pytest.fixture(scope="module")
+def client(stack: RunningStack) -> openai.OpenAI:
+    """The OpenAI client on the module's stack (a module may give its own `stack`)."""
+    return openai_client(stack.url)
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> PreTrainedTokenizerBase:
+    """The default model's tokenizer, from where a worker takes it."""
+    from transformers import AutoTokenizer
+
+    from worker.prompts import source
+
+    path, extra = source(Settings())
+    return AutoTokenizer.from_pretrained(path, **extra)
 
 
 # What a sim stack runs with unless a test says otherwise: its model named "sim" (the name its requests give and

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -29,8 +29,13 @@ class Event:
 
 
 def events(response: httpx.Response) -> Iterator[Event]:
+    return parse(response.iter_lines())
+
+
+def parse(lines: Iterable[str]) -> Iterator[Event]:
+    """The events of an SSE body's lines, however they were read."""
     event, event_id, data, retry = None, None, [], None
-    for line in response.iter_lines():
+    for line in lines:
         if not line:
             if data:
                 raw = "\n".join(data)

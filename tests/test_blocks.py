@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from common.settings import Settings
+from tests.conftest import native_kernels
 from worker.hf.cache import new_cache, select_rows
 from worker.hf.forward import Part, forward_parts
 from worker.hf.model import LoadedModel, load_model
@@ -23,7 +24,7 @@ from worker.weights import native
 from worker.weights.blocks import Q4_1, Q8_0, BlockError, BlockLinear, BlockLlamaLayer, FileTensor, quantize_blocks
 from worker.weights.quant import Int8LlamaLayer, RowwiseLlamaLayer, takes_blocks_together
 
-pytestmark = pytest.mark.skipif(not native.load("auto"), reason="the compiled kernels do not build here")
+native_kernels()
 ops = torch.ops.llmserve
 ISAS = sorted({ops.block_isa(level) for level in (0, 1, 2)})  # what this CPU has: plain, AVX2, AVX-512 VNNI
 ops.block_isa(2)

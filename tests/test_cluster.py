@@ -332,7 +332,6 @@ def sim() -> Iterator[PrivateStack]:
         yield running
 
 
-client = test_openai.client  # the OpenAI client fixture, on this module's stack
 
 # Collected here in this order: the stack's own tests first, the faults (which kill workers) last.
 test_stream_sends_one_event_per_token_then_a_final_event = (

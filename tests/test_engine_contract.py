@@ -5,6 +5,8 @@ ENGINES and passing this module.
 - hf: the own engine (worker/hf/engine.py), on the model as a worker loads it;
 - vllm: vLLM's engine in-process (worker/vllm/engine.py), eager, a small context, one start for the module; it
   runs where vLLM is installed: `make test` runs these cases with .venv-vllm's pytest (`-m vllm`);
+- llamacpp: llama.cpp's library hosted in-process (worker/llamacpp/engine.py) on the default model's GGUF file; it
+  runs where llama-cpp-python is installed (`make test` builds it into .venv: `make llamacpp`);
 - sim: the control-plane stand-in (worker/sim.py), for the parts of the contract it keeps (no model).
 """
 
@@ -78,6 +80,18 @@ def _vllm(_request: pytest.FixtureRequest) -> Iterator[Subject]:
     del engine.llm  # vLLM's engine core lives in this process: let it go before the next module
 
 
+def _llamacpp(_request: pytest.FixtureRequest) -> Iterator[Subject]:
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python is not installed in this interpreter: `make llamacpp` builds it into .venv "
+                    "(`make test` does)")
+    from worker.llamacpp.engine import build
+
+    model, engine = build(Settings(engine="llamacpp", worker_slots=8))
+    yield Subject("llamacpp", model, engine)
+    engine.abort_all()
+    model.library.close()
+
+
 def _sim(_request: pytest.FixtureRequest) -> Iterator[Subject]:
     from worker.sim import SimEngine, SimModel
 
@@ -85,10 +99,10 @@ def _sim(_request: pytest.FixtureRequest) -> Iterator[Subject]:
     yield Subject("sim", model, SimEngine(model, 8, 0, 0))
 
 
-ENGINES = {"hf": _hf, "vllm": _vllm, "sim": _sim}
+ENGINES = {"hf": _hf, "vllm": _vllm, "llamacpp": _llamacpp, "sim": _sim}
 
 
-@pytest.fixture(scope="module", params=["hf", pytest.param("vllm", marks=pytest.mark.vllm), "sim"])
+@pytest.fixture(scope="module", params=["hf", pytest.param("vllm", marks=pytest.mark.vllm), "llamacpp", "sim"])
 def subject(request: pytest.FixtureRequest) -> Iterator[Subject]:
     yield from ENGINES[request.param](request)
 

@@ -20,7 +20,7 @@ from common.settings import Settings
 from llmserve.launcher import PrivateStack, Stack, free_port, private_stack
 from llmserve.launcher import wait_until as wait_for
 from scheduler.main import Scheduler
-from tests.conftest import dispatched_to, responds, workers_of
+from tests.conftest import dispatched_to, pid_of, responds, workers_of
 from tests.sse import Streamed, read
 
 NS = "chaos"
@@ -41,11 +41,6 @@ def chaos() -> Iterator[PrivateStack]:
 
 def client_of(running: PrivateStack) -> redis.Redis:
     return sync_client(running.redis_url)
-
-
-def pid_of(process_id: str) -> int:
-    """Worker and scheduler ids are host-pid-suffix."""
-    return int(process_id.split("-")[-2])
 
 
 def worker_running(r: redis.Redis, request_id: str) -> str:
@@ -144,14 +139,14 @@ def test_the_scheduler_restarts_under_load_and_nothing_is_lost(chaos: PrivateSta
         running = pool.submit(stream_with_fault, chaos, 2, kill_scheduler)
         wait_for(lambda: scheduler.poll() is not None, 30, "the scheduler to die")
         later = [pool.submit(lambda: httpx.post(f"{chaos.url}/generate", json=LONG, timeout=120)) for _ in range(3)]
-        time.sleep(1)
+        r = client_of(chaos)
+        wait_for(lambda: r.get(KEYS.queued) == b"3", 30, "the later requests to be queued with no scheduler")
         chaos.stack.spawn("scheduler")
         got, _ = running.result()
         answers = [f.result() for f in later]
     assert got.indexes == list(range(40)) and got.text == expected
     assert [a.status_code for a in answers] == [200, 200, 200]
     assert all(a.json()["text"] == expected for a in answers)
-    r = client_of(chaos)
     wait_for(lambda: not any(r.hlen(KEYS.assigned(w.decode())) for w in r.smembers(KEYS.workers)), 10,
              "every assignment to be released")
 
@@ -217,7 +212,8 @@ def test_requests_wait_for_a_worker_and_run_when_one_comes(chaos: PrivateStack) 
         wait_for(lambda: responds(f"{url}/health"), 30, "the gateway")
         with ThreadPoolExecutor(1) as pool:
             answer = pool.submit(httpx.post, f"{url}/generate", json={"prompt": "Hi", "max_tokens": 3}, timeout=180)
-            time.sleep(2)
+            r = client_of(chaos)
+            wait_for(lambda: r.get(Keys("late").queued) == b"1", 30, "the request to be queued")
             assert not answer.done()
             services.spawn("worker")
             assert answer.result().status_code == 200

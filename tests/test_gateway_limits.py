@@ -22,8 +22,8 @@ import pytest
 import redis
 
 from common.protocol import PAYLOAD, Keys
-from llmserve.launcher import PrivateStack, Stack, free_port, start_redis
-from tests.conftest import responds, sim_stack, wait_for
+from llmserve.launcher import PrivateStack, Stack, free_port
+from tests.conftest import redis_server, responds, sim_stack, wait_for
 
 ALPHA = {"Authorization": "Bearer alpha"}
 BETA = {"Authorization": "Bearer beta"}
@@ -233,21 +233,18 @@ MAX_QUEUE_BYTES = 1500
 @pytest.fixture(scope="module")
 def lone() -> Iterator[tuple[str, redis.Redis]]:
     """A gateway alone on a Redis of its own: what it admits stays queued, and Redis can be filled."""
-    redis_url = f"redis://127.0.0.1:{free_port()}/0"
-    redis_process = start_redis(redis_url)
-    port = free_port()
-    stack = Stack({**os.environ, "REDIS_URL": redis_url, "GATEWAY_HOST": "127.0.0.1", "GATEWAY_PORT": str(port),
-                   "NAMESPACE": "lone", "MAX_QUEUE_BYTES": str(MAX_QUEUE_BYTES), "LOG_LEVEL": "WARNING"})
-    stack.spawn("gateway")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: responds(f"{url}/health"), 30, "the lone gateway")
-        yield url, redis.Redis.from_url(redis_url)
-        assert stack.exited() == []
-    finally:
-        stack.stop()
-        redis_process.terminate()
-        redis_process.wait()
+    with redis_server() as redis_url:
+        port = free_port()
+        stack = Stack({**os.environ, "REDIS_URL": redis_url, "GATEWAY_HOST": "127.0.0.1", "GATEWAY_PORT": str(port),
+                       "NAMESPACE": "lone", "MAX_QUEUE_BYTES": str(MAX_QUEUE_BYTES), "LOG_LEVEL": "WARNING"})
+        stack.spawn("gateway")
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_for(lambda: responds(f"{url}/health"), 30, "the lone gateway")
+            yield url, redis.Redis.from_url(redis_url)
+            assert stack.exited() == []
+        finally:
+            stack.stop()
 
 
 def _wait_in_queue(url: str, body: dict[str, object]) -> threading.Thread:

@@ -6,7 +6,6 @@ admission, never a 500 once generation is under way."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,6 +17,7 @@ import pytest
 
 from common import grammar
 from tests.conftest import RunningStack
+from tests.sse import events
 
 HEALTH_SECONDS = 1.0
 
@@ -196,8 +196,8 @@ def test_a_grammar_that_crashes_its_compiler_costs_only_its_request(stack: Runni
 
     def stream() -> int:
         with stack.client() as client, client.stream("POST", "/v1/completions", json=body) as response:
-            chunks = [line for line in response.iter_lines() if line.startswith("data: {")]
-        return sum(json.loads(chunk[6:])["choices"][0]["finish_reason"] == "length" for chunk in chunks)
+            chunks = [event.data for event in events(response) if not event.done]
+        return sum(chunk["choices"][0]["finish_reason"] == "length" for chunk in chunks)
 
     with ThreadPoolExecutor(6) as pool:
         streams = [pool.submit(stream) for _ in range(2)]

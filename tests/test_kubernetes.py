@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from common.protocol import Keys
-from common.settings import env_names
+from common.settings import OWN_ENGINE_SLOTS, env_names
 from llmserve.launcher import SERVICE_COMMANDS
 from tests.test_compose import compose
 
@@ -170,7 +170,8 @@ def test_the_scaled_object_reads_this_deployments_stream_and_gateway() -> None:
     namespace = yaml.safe_load((KUBE / "base" / "kustomization.yaml").read_text())["namespace"]
     scaled = find(base(), "ScaledObject", "worker")["spec"]
     assert scaled["scaleTargetRef"]["name"] == "worker" and scaled["minReplicaCount"] == 0
-    assert scaled["advanced"]["scalingModifiers"]["target"] == data["WORKER_SLOTS"]
+    slots = int(data["WORKER_SLOTS"]) or OWN_ENGINE_SLOTS  # 0: the own engine's default
+    assert scaled["advanced"]["scalingModifiers"]["target"] == str(slots)
     triggers = {t["name"]: t for t in scaled["triggers"]}
     assert set(re.findall(r"\w+", scaled["advanced"]["scalingModifiers"]["formula"])) == set(triggers)
     redis_url = urlparse(data["REDIS_URL"])

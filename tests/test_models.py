@@ -7,7 +7,6 @@ worker handed a request for another model returns it to the queue, and each mode
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -22,6 +21,8 @@ from common.clients import sync_client
 from common.protocol import PAYLOAD, Batch, Heartbeat, Keys, ModelLoad, SamplingParams, Submit, decode, encode
 from llmserve.launcher import PrivateStack, free_port, private_stack, wait_until, worker_counts
 from scheduler.policy import Queued, WaitingQueue, WorkerState, model_figures, plan
+from tests.conftest import pid_of
+from tests.sse import events
 
 LIMIT = 1 << 20
 NAMESPACE = "models"
@@ -172,8 +173,7 @@ def stream_text(url: str, model: str, tokens: int) -> tuple[str, str]:
     """A streamed completion of `tokens` tokens: its request_id and its text."""
     body = {"model": model, "prompt": f"long {model}", "max_tokens": tokens, "stream": True, "ignore_eos": True}
     with httpx.Client(timeout=60) as client, client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        chunks = [json.loads(line[5:]) for line in response.iter_lines()
-                  if line.startswith("data:") and line[5:].strip() != "[DONE]"]
+        chunks = [event.data for event in events(response) if not event.done]
     text = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
     return chunks[0]["id"].removeprefix("cmpl-"), text
 
@@ -199,14 +199,14 @@ def test_a_lost_workers_streams_move_to_its_models_other_worker_only(sim: Privat
 
 def test_a_model_whose_workers_are_gone_waits_and_times_out_while_the_other_serves(sim: PrivateStack) -> None:
     [beta] = workers_of(sim, "beta")
-    pid = int(beta.split("-")[-2])
+    pid = pid_of(beta)
     os.kill(pid, signal.SIGKILL)
     sim.stack.processes = [(n, p) for n, p in sim.stack.processes if p.pid != pid]
     wait_until(lambda: not workers_of(sim, "beta"), 10, "beta's worker to be gone", 0.1)
     with ThreadPoolExecutor(4) as pool:
         waiting = pool.submit(complete, sim, "beta", 4, 3.0)
-        time.sleep(1.0)
-        health = httpx.get(f"{sim.url}/health", params={"model": "beta"}).json()
+        health = wait_until(lambda: (h := httpx.get(f"{sim.url}/health", params={"model": "beta"}).json())["waiting"]
+                            and h, 2.5, "the scheduler to count beta's request as waiting", 0.05)
         served = [pool.submit(complete, sim, "alpha") for _ in range(3)]
         assert [s.result().status_code for s in served] == [200] * 3
         timed_out = waiting.result()

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from common.settings import Settings, SettingsError
+from tests.conftest import native_kernels
 from worker.hf.cache import new_cache
 from worker.hf.forward import Part, forward_parts
 from worker.hf.model import LoadedModel
@@ -20,7 +21,7 @@ from worker.weights import native, scripted
 from worker.weights.quant import Int8Linear, Int8LlamaLayer, use_native
 from worker.weights.rotation import InputRotation
 
-pytestmark = pytest.mark.skipif(not native.load("auto"), reason="worker/weights/native.cpp does not build here")
+native_kernels()
 ops = torch.ops.llmserve
 THREADS = torch.get_num_threads()
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import native_kernels
 from worker.weights import native
 
 LOAD = "from worker.weights import native; print(native.load('on'))"
@@ -19,8 +20,7 @@ LOAD = "from worker.weights import native; print(native.load('on'))"
 
 @pytest.fixture(scope="module")
 def built() -> Path:
-    if not native.load("auto"):
-        pytest.skip("the kernels do not build on this machine (no compiler)")
+    native_kernels()
     return native.build_directory()
 
 

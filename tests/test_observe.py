@@ -15,45 +15,63 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from common.telemetry import JsonFormatter
 from gateway.throughput import Throughput
-from tests.conftest import RunningStack
+from tests.conftest import RunningStack, dispatched_to, wait_for
 from tests.sse import stream
 from tests.test_stack import heartbeats
 
 JOURNEY = ["received", "queued", "dispatched", "admitted", "prefill_done", "first_token", "finished", "delivered"]
 
 
-def scrape(url: str) -> dict[str, float]:
-    """Every sample of a Prometheus endpoint, summed over labels, by sample name."""
+def scrape(url: str, **labels: str) -> dict[str, float]:
+    """Every sample of a Prometheus endpoint (those with these `labels`), summed over labels, by sample name."""
     samples: dict[str, float] = {}
     for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
         for sample in family.samples:
-            samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
+            if labels.items() <= sample.labels.items():
+                samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
     return samples
 
 
 def test_every_service_exposes_its_metrics(stack: RunningStack) -> None:
+    """What one request adds to each service's metrics, counted from an idle stack: the totals of the session's
+    earlier tests alone would meet any threshold."""
+    ports = {beat.worker_id: beat.metrics_port for beat in heartbeats(stack)}
+    assert len(set(ports.values())) == 2 and all(ports.values())
+    urls = {"gateway": f"{stack.url}/metrics",
+            "scheduler": f"http://127.0.0.1:{stack.stack.env['SCHEDULER_METRICS_PORT']}/metrics",
+            **{worker_id: f"http://127.0.0.1:{port}/metrics" for worker_id, port in ports.items()}}
+    wait_for(lambda: all(not b.running and not b.waiting for b in heartbeats(stack)), 60, "an idle stack")
+    before = {service: scrape(url) for service, url in urls.items()}
+    # Each scrape is an HTTP request too: the stream's route alone.
+    streams_before = scrape(urls["gateway"], route="/generate_stream").get("llmserve_gateway_requests_total", 0.0)
     with stack.client() as client:
-        stream(client, {"prompt": "Paris is", "max_tokens": 6, "temperature": 0})
-    gateway = scrape(f"{stack.url}/metrics")
-    assert gateway["llmserve_gateway_completion_tokens_total"] >= 6
-    assert gateway["llmserve_gateway_time_to_first_token_seconds_count"] >= 1
-    assert gateway["llmserve_gateway_inter_token_latency_seconds_count"] >= 5
-    assert gateway["llmserve_gateway_requests_total"] >= 1
+        request_id, _ = stream(client, {"prompt": "Paris is", "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+    [worker_id] = dispatched_to(stack.url, request_id)
+
+    def added(service: str, name: str) -> float:
+        return scrape(urls[service])[name] - before[service].get(name, 0.0)
+
+    # The gateway counts a stream's last figures as it ends, which its client may see first.
+    wait_for(lambda: added("gateway", "llmserve_gateway_completion_tokens_total") == 6, 5,
+             "the gateway to count the stream's tokens")
+    assert scrape(urls["gateway"], route="/generate_stream")["llmserve_gateway_requests_total"] == streams_before + 1
+    assert added("gateway", "llmserve_gateway_time_to_first_token_seconds_count") == 1
+    assert added("gateway", "llmserve_gateway_inter_token_latency_seconds_count") == 5
+    gateway = scrape(urls["gateway"])
     for name in ("e2e_latency_seconds_count", "queue_seconds_count", "prompt_tokens_total", "active_requests"):
         assert f"llmserve_gateway_{name}" in gateway
-    scheduler = scrape(f"http://127.0.0.1:{stack.stack.env['SCHEDULER_METRICS_PORT']}/metrics")
-    assert scheduler["llmserve_scheduler_dispatched_total"] >= 1
+    assert added("scheduler", "llmserve_scheduler_dispatched_total") == 1
+    scheduler = scrape(urls["scheduler"])
     assert scheduler["llmserve_scheduler_live_workers"] == 2
     for name in ("waiting", "dispatch_latency_seconds_count", "migrations_total", "free_slots"):
         assert f"llmserve_scheduler_{name}" in scheduler
-    ports = [beat.metrics_port for beat in heartbeats(stack)]
-    assert len(set(ports)) == 2 and all(ports)
-    workers = [scrape(f"http://127.0.0.1:{port}/metrics") for port in ports]
-    busy = max(workers, key=lambda w: w["llmserve_worker_generated_tokens_total"])
-    assert busy["llmserve_worker_generated_tokens_total"] >= 6
-    assert busy["llmserve_worker_step_seconds_count"] >= 6 and busy["llmserve_worker_batch_size_count"] >= 5
+    assert added(worker_id, "llmserve_worker_generated_tokens_total") == 6
+    assert added(worker_id, "llmserve_worker_step_seconds_count") >= 6
+    assert added(worker_id, "llmserve_worker_batch_size_count") >= 5
+    for other in set(ports) - {worker_id}:
+        assert added(other, "llmserve_worker_generated_tokens_total") == 0
     for name in ("running", "waiting", "kv_cache_positions"):
-        assert all(f"llmserve_worker_{name}" in w for w in workers)
+        assert all(f"llmserve_worker_{name}" in scrape(urls[w]) for w in ports)
 
 
 def test_the_trace_follows_a_request_across_every_hop(stack: RunningStack) -> None:

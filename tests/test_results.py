@@ -4,18 +4,17 @@ password: routing by request and choice, and a refused connection that fails req
 from __future__ import annotations
 
 import asyncio
-import subprocess
 from collections.abc import Iterator
+from urllib.parse import urlparse
 
 import pytest
-import redis
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from common.protocol import Done, Error, Keys, Token, encode
 from gateway.mailbox import Mailbox
 from gateway.results import ResultRouter, command
-from llmserve.launcher import free_port, redis_server_binary, wait_until
+from tests.conftest import redis_server
 
 PASSWORD = "s3cret"
 LIMIT = 1 << 20
@@ -23,23 +22,8 @@ LIMIT = 1 << 20
 
 @pytest.fixture(scope="module")
 def port() -> Iterator[int]:
-    port = free_port()
-    process = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                "--appendonly", "no", "--requirepass", PASSWORD], stdout=subprocess.DEVNULL)
-    client = redis.Redis(port=port, password=PASSWORD)
-    try:
-        wait_until(lambda: _pings(client), 10, "redis-server")
-        yield port
-    finally:
-        process.terminate()
-        process.wait(10)
-
-
-def _pings(client: redis.Redis) -> bool:
-    try:
-        return client.ping()
-    except redis.ConnectionError:
-        return False
+    with redis_server(PASSWORD) as url:
+        yield urlparse(url).port
 
 
 def test_commands_are_encoded_as_resp() -> None:

@@ -26,8 +26,8 @@ from common.resultlog import LOG_HEAD, publish_results
 from common.settings import Settings
 from gateway.errors import ApiError
 from gateway.sse import format_id, parse_id
-from llmserve.launcher import PrivateStack, free_port, free_ports, start_redis
-from tests.conftest import RunningStack, sim_stack, trace, wait_for
+from llmserve.launcher import PrivateStack, free_port, free_ports
+from tests.conftest import RunningStack, redis_server, sim_stack, trace, wait_for
 from tests.sse import Event, Streamed, read
 from tests.sse import events as sse_events
 from worker.sim import VOCAB, SimModel, sim_token
@@ -208,8 +208,8 @@ def test_a_finished_stream_replays_until_its_ttl_ends(sim: PrivateStack) -> None
     done = read(sim.urls[0], "/generate_stream", "POST", {"prompt": "short", "max_tokens": 5}, ALPHA)
     rid = done.headers["x-request-id"]
     assert [e.raw for e in resume(sim.urls[1], rid, None).events] == [e.raw for e in done.events]
-    time.sleep(TTL + 1)
-    gone = resume(sim.urls[1], rid, None)
+    gone = wait_for(lambda: (g := resume(sim.urls[1], rid, None)).status != 200 and g, TTL + 5,
+                    "the finished stream's log to expire", 0.2)
     assert gone.status == 404 and json.loads(gone.body)["error"]["code"] == "stream_not_found"
 
 
@@ -313,9 +313,7 @@ def test_an_event_id_of_another_stream_is_a_400(value: str, choices: int) -> Non
 def test_the_results_log_is_bounded_in_bytes() -> None:
     """The script every service publishes with keeps the header and the newest results within
     RESUME_LOG_BYTES, and appends only to the logs of streams a gateway created."""
-    redis_url = f"redis://127.0.0.1:{free_port()}/0"
-    server = start_redis(redis_url)
-    try:
+    with redis_server() as redis_url:
         client, keys = redis.Redis.from_url(redis_url), Keys("bound")
         settings = Settings(resume_ttl=60.0, resume_log_bytes=400)
         client.rpush(keys.log("r1"), 0, b"header")
@@ -337,9 +335,6 @@ def test_the_results_log_is_bounded_in_bytes() -> None:
         assert not client.exists(keys.log("r2"))  # nobody created it: nothing kept
         assert client.llen(keys.progress("r2")) == 100
         assert LOG_HEAD == 2
-    finally:
-        server.terminate()
-        server.wait()
 
 
 def test_a_gateway_killed_mid_stream_loses_its_clients_nothing() -> None:

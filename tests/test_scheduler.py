@@ -11,6 +11,7 @@ import redis
 from common.errors import ErrorCode
 from common.protocol import (
     PAYLOAD,
+    WORKER_KEYS_TTL_SECONDS,
     Batch,
     Error,
     Finished,
@@ -23,20 +24,17 @@ from common.protocol import (
     encode,
 )
 from common.settings import Settings
-from llmserve.launcher import free_port, start_redis
 from scheduler.main import Scheduler
 from scheduler.policy import BATCH_OVERHEAD
+from tests.conftest import redis_server
 
 LIMIT = 1 << 20
 
 
 @pytest.fixture(scope="module")
 def redis_url() -> Iterator[str]:
-    url = f"redis://127.0.0.1:{free_port()}/0"
-    process = start_redis(url)
-    yield url
-    process.terminate()
-    process.wait()
+    with redis_server() as url:
+        yield url
 
 
 @pytest.fixture
@@ -234,3 +232,23 @@ def test_leaders_that_stop_on_a_signal_blame_nothing(r: redis.Redis, redis_url: 
     s._take_over()
     assert [q.request_id for q in s.queue] == ["patient"]
     assert r.xlen(keys.dead_letters) == 0
+
+
+def test_a_worker_that_left_while_no_scheduler_led_is_found_by_its_keys(r: redis.Redis, redis_url: str,
+                                                                       ns: str) -> None:
+    """A worker that stops cleanly takes itself off the set of workers: a leader that never saw it finds it by its
+    keys, moves what it held and removes them. What a scheduler writes to a worker's keys expires meanwhile."""
+    keys = Keys(ns)
+    held = Submit("held", SamplingParams(), prompt="hi")
+    r.hset(keys.assigned("gone"), mapping={"held": encode(held, LIMIT)})
+    r.xadd(keys.inbox("gone"), {PAYLOAD: b"x"})
+    worker_beat(r, keys, "w1")
+    s = scheduler(redis_url, ns)
+    s._take_over()
+    s._tick()
+    s._tick()  # the moved request comes back through the stream, to the live worker
+    assert not r.exists(keys.assigned("gone"), keys.inbox("gone"))
+    [(_, batch)] = inbox_batches(r, keys, "w1")
+    assert [(q.request_id, q.migrations) for q in batch.sequences] == [("held", 1)]
+    assert 0 < r.ttl(keys.inbox("w1")) <= WORKER_KEYS_TTL_SECONDS
+    assert 0 < r.ttl(keys.assigned("w1")) <= WORKER_KEYS_TTL_SECONDS

@@ -12,7 +12,8 @@ import httpx
 import redis
 
 from common.protocol import Heartbeat, Keys, SamplingParams, Submit, decode
-from tests.conftest import sim_stack, wait_for
+from tests.conftest import sim_stack, trace, wait_for
+from tests.sse import events
 from worker.sim import VOCAB, SimEngine, SimModel, sim_token
 
 
@@ -60,28 +61,34 @@ def test_many_streams_over_four_sim_workers() -> None:
 def test_what_reaches_a_generating_worker_is_taken_in_between_its_steps() -> None:
     """A worker that is generating reads its inbox between its steps: a request that arrives mid-stream joins the
     running batch and is answered long before the stream could end, and the stream's cancel, when its client
-    leaves, frees its slot."""
-    with sim_stack(1, SIM_STEP_MS="20") as running:
+    leaves, frees its slot long before the stream could end on its own."""
+    tokens, step_s = 5000, 0.020
+    with sim_stack(1, SIM_STEP_MS=str(step_s * 1000), RESUME_GRACE="1") as running:
         keys, r = Keys("llmserve"), redis.Redis.from_url(running.redis_url)
-        body = {"prompt": "hello", "max_tokens": 400, "ignore_eos": True}
+        body = {"prompt": "hello", "max_tokens": tokens, "ignore_eos": True}
         with httpx.Client(base_url=running.url, timeout=60) as client, \
                 client.stream("POST", "/generate_stream", json=body) as stream:
-            tokens = (line for line in stream.iter_lines() if line.startswith("data:") and '"index"' in line)
+            request_id = stream.headers["x-request-id"]
+            received = (event for event in events(stream) if "index" in event.data)
             for _ in range(5):
-                next(tokens)
+                next(received)
             started = time.monotonic()
             short = client.post("/generate", json={"prompt": "hi", "max_tokens": 3})
             took = time.monotonic() - started
             assert short.status_code == 200 and short.json()["completion_tokens"] == 3
-            # The stream has 395 steps of 20 ms to go: a request queued behind it would wait that long.
-            assert took < 395 * 0.020 / 2, took
-            next(tokens)
+            # A request queued behind the stream would wait for its thousands of steps.
+            assert took < 5, took
+            next(received)
+        left = time.monotonic()
 
         def running_count() -> int:
             ids = [m.decode() for m in r.smembers(keys.workers)]
             return sum(decode(raw, Heartbeat, 1 << 20).running for raw in r.mget([keys.heartbeat(i) for i in ids]))
 
         wait_for(lambda: running_count() == 0, 10, "the worker to drop the abandoned stream")
+        assert time.monotonic() - left < tokens * step_s / 4  # so it cannot have ended on its own
+        ended = [e["hop"] for e in trace(running.url, request_id) if e["service"] == "worker"][-1]
+        assert ended == "cancelled", ended
 
 
 def test_static_sim_batching_waits_for_the_whole_batch() -> None:

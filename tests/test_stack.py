@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from common.protocol import PAYLOAD, Heartbeat, decode
-from tests.conftest import RunningStack, wait_for
+from tests.conftest import RunningStack, trace, wait_for
 from tests.sse import events, stream
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -94,6 +94,7 @@ def test_greedy_output_is_the_same_alone_and_in_a_batch_across_two_workers(stack
 def test_a_client_that_disconnects_frees_its_slot(stack: RunningStack) -> None:
     body = {"prompt": "Tell me a very long story.", "max_tokens": 2000, **GREEDY}
     with stack.client() as client, client.stream("POST", "/generate_stream", json=body) as response:
+        request_id = response.headers["x-request-id"]
         # Held in a name: a dropped generator would be collected at once and close the connection early.
         received = events(response)
         for event in received:
@@ -103,6 +104,9 @@ def test_a_client_that_disconnects_frees_its_slot(stack: RunningStack) -> None:
     # 2000 tokens would take minutes; the slot must be free soon after the disconnect (the generous bound
     # leaves room for a busy machine, where what an earlier test left running may also take a while).
     wait_for(lambda: sum(b.running for b in heartbeats(stack)) == 0, 30, "the worker to drop the request")
+    # On a fast host 2000 tokens fit in that wait: what freed the slot must be the cancel, not the stream's end.
+    ended = [event["hop"] for event in trace(stack.url, request_id) if event["service"] == "worker"][-1]
+    assert ended == "cancelled", ended
 
 
 def test_bad_input_gets_a_clear_400_and_the_service_keeps_serving(stack: RunningStack) -> None:

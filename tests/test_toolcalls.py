@@ -12,16 +12,13 @@ from types import SimpleNamespace
 import pytest
 from llguidance import LLMatcher
 from llguidance.hf import from_tokenizer
-from transformers import AutoTokenizer
 
 from common import grammar, toolcalls
 from common.protocol import ChatMessage, Tool, ToolCall
-from common.settings import Settings
 from gateway.constraints import constraint_of
 from gateway.errors import ApiError
 from gateway.grammar_check import GrammarChecker
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
-from worker.prompts import source
 
 WEATHER = Tool("get_weather", "The weather of a city", json.dumps(
     {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
@@ -32,9 +29,7 @@ TWO_CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"r
 
 
 @pytest.fixture(scope="module")
-def index():
-    path, extra = source(Settings())
-    tokenizer = AutoTokenizer.from_pretrained(path, **extra)
+def index(tokenizer):
     return tokenizer, from_tokenizer(tokenizer, n_vocab=len(tokenizer))
 
 

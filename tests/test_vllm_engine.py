@@ -70,6 +70,18 @@ def test_a_ban_is_minus_infinity_and_delivered_tokens_carry_their_penalties() ->
         SamplingParams(frequency_penalty=1.0), [6])
 
 
+def test_without_a_processor_the_delivered_presence_penalty_is_a_bias() -> None:
+    params = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
+    assert resumed_biases(params, [6, 6, 7], exact_presence=False) == {6: -2 * 0.5 - 0.25, 7: -0.5 - 0.25}
+    assert "extra_args" not in sampling_arguments(params, [6, 6, 7], exact_presence=False)
+
+
+def test_a_resumed_constrained_request_carries_its_tokens_for_the_grammar_replay() -> None:
+    constrained = SamplingParams(grammar=grammars.regex("[a-z]+"))
+    assert sampling_arguments(constrained, [4, 5])["extra_args"] == {DELIVERED: [4, 5]}
+    assert "extra_args" not in sampling_arguments(constrained, [])
+
+
 def test_a_resumed_request_asks_vllm_for_what_is_left() -> None:
     params = SamplingParams(max_tokens=10, min_tokens=6, top_k=-1, temperature=0, seed=3, logprobs=2)
     arguments = sampling_arguments(params, [1, 2, 3, 4])
@@ -98,6 +110,7 @@ def test_vllm_engine_arguments_follow_our_settings() -> None:
     assert gpu["structured_outputs_config"] == {"backend": "guidance"}
     cpu = vllm_model.engine_arguments(Settings(), "/m", cuda=False)
     assert cpu["dtype"] == "float32" and cpu["enforce_eager"] is True and "max_model_len" not in cpu
+    assert "max_num_seqs" not in cpu and "gpu_memory_utilization" not in cpu  # 0: what `vllm serve` picks
     assert "kv_cache_memory_bytes" not in cpu and cpu["enable_prefix_caching"] is True
     assert vllm_model.enforce_eager("off", cuda=False) is False and vllm_model.enforce_eager("on", cuda=True)
     assert vllm_model.dtype("float16", cuda=False) == "float16"
@@ -111,7 +124,8 @@ def test_vllm_on_cpu_gets_a_bounded_kv_cache_and_the_workers_threads() -> None:
 
 @pytest.mark.parametrize(("name", "value"), [("ENGINE", "tensorrt"), ("VLLM_ENFORCE_EAGER", "yes"),
                                              ("VLLM_GPU_MEMORY_UTILIZATION", "1.5"),
-                                             ("VLLM_TENSOR_PARALLEL_SIZE", "0")])
+                                             ("VLLM_TENSOR_PARALLEL_SIZE", "0"),
+                                             ("VLLM_ENGINE_ARGS", "--dtype 'half")])
 def test_a_bad_vllm_setting_fails_at_start_naming_it(monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> None:
     monkeypatch.setenv(name, value)
     with pytest.raises(SettingsError, match=name):
@@ -125,6 +139,8 @@ def test_a_converted_model_is_named_by_its_file_and_written_again_when_it_change
     os.utime(gguf, ns=(1, 1))
     assert vllm_model.converted_dir(str(gguf), str(tmp_path / "cache")) != first
     assert os.path.basename(first).startswith("model-")
+    bf16 = vllm_model.converted_dir(str(gguf), str(tmp_path / "cache"), "bfloat16")
+    assert bf16.endswith("-bfloat16") and bf16 != vllm_model.converted_dir(str(gguf), str(tmp_path / "cache"))
     assert vllm_model.hf_directory(Settings(model="org/some-model")) == "org/some-model"
 
 
@@ -135,3 +151,25 @@ def test_the_gateway_refuses_what_a_vllm_worker_cannot_do_naming_the_field() -> 
     assert "2" in error.message
     assert refusal({"hf", "sim", ""}, hot) is None
     assert refusal({"vllm"}, GenerateRequest(prompt="x", temperature=2.0)) is None
+
+
+def test_the_heartbeat_reads_vllms_prefix_report_without_touching_its_block_pool() -> None:
+    from common.prefix import TextPrefix
+    from worker.vllm.engine import VllmPrefixes
+
+    class Pool:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def get_cached_block(self, digest: bytes, groups: list[int]) -> object:
+            self.calls += 1
+            return object()
+
+    pool = Pool()
+    prefixes = VllmPrefixes(lambda: [b"a", b"b", b"c", b"d"], pool, 4)
+    prefixes.remember([TextPrefix(7, 1.0)], list(range(16)))
+    assert prefixes.held() == [] and pool.calls == 0  # the heartbeat thread: the loop's last answer only
+    prefixes.refresh(at=100.0)
+    assert prefixes.held() == [7] and pool.calls == 1
+    prefixes.refresh(at=100.1)  # sooner than REFRESH_S: no second look
+    assert pool.calls == 1

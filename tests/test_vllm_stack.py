@@ -1,7 +1,7 @@
 """The stack with ENGINE=vllm: gateway and scheduler as everywhere, two workers hosting vLLM's engine (from
 .venv-vllm, where vLLM for CPUs lives), on the real default model. curl's SSE, the OpenAI SDK, a JSON-schema
 answer, /tokenize, resume, and the faults: kill -9 of a worker mid-stream and SIGTERM with streams running,
-every stream whole (no token lost, none twice, the text of an unbroken run).
+every stream whole (no token lost, none twice, the text of an unbroken run, penalties included).
 
 vLLM runs eager with a small context and KV cache, so a worker starts in seconds; the module starts three
 (two, and one to replace the killed worker before the drain)."""
@@ -25,6 +25,8 @@ from common.clients import sync_client
 from common.protocol import Heartbeat, Keys, decode
 from llmserve.launcher import PrivateStack, free_port, private_stack
 from llmserve.launcher import wait_until as wait_for
+from tests.conftest import pid_of
+from tests.sse import DONE, parse
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_WORKER = [str(ROOT / ".venv-vllm" / "bin" / "llmserve"), "worker"]
@@ -39,8 +41,9 @@ SETTINGS = {"NAMESPACE": NS, "ENGINE": "vllm", "VLLM_MAX_MODEL_LEN": "1024", "VL
             "WORKER_SLOTS": str(SLOTS), "WORKER_THREADS": "1", "HEARTBEAT_INTERVAL": "0.3", "WORKER_TTL": "2",
             "LOG_LEVEL": "WARNING", "VLLM_LOGGING_LEVEL": "WARNING"}
 TOKENS = 32
+# With penalties: a stream moved mid-way must keep them on the tokens another worker delivered (worker/vllm/resume.py).
 LONG = {"prompt": "Write a long essay about the history of ships.", "max_tokens": TOKENS, "temperature": 0,
-        "ignore_eos": True}
+        "ignore_eos": True, "presence_penalty": 0.6, "frequency_penalty": 0.3}
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                            "population": {"type": "integer", "maximum": 100000000}},
           "required": ["city", "population"]}
@@ -65,15 +68,9 @@ def client_of(running: PrivateStack) -> redis.Redis:
     return sync_client(running.redis_url)
 
 
-def pid_of(worker_id: str) -> int:
-    return int(worker_id.split("-")[-2])
-
-
 def sse_events(lines: Iterable[str]) -> Iterator[dict]:
-    """The data of each event of an SSE body, read line by line as it arrives."""
-    for line in lines:
-        if line.startswith("data:") and line[5:].strip() != "[DONE]":
-            yield json.loads(line[5:])
+    """The data of each event of an SSE body, read as it arrives (the end marker left out)."""
+    return (event.data for event in parse(lines) if event.raw != DONE)
 
 
 def sse(lines: Iterable[str]) -> list[dict]:

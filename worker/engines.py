@@ -42,7 +42,7 @@ def _sim(settings: Settings) -> tuple[Model, Engine]:
     from worker.sim import SimEngine, SimModel
 
     model = SimModel()
-    return model, SimEngine(model, settings.worker_slots, settings.sim_step_ms / 1000,
+    return model, SimEngine(model, settings.slots(), settings.sim_step_ms / 1000,
                             settings.sim_step_per_seq_ms / 1000, _static(settings))
 
 
@@ -54,7 +54,7 @@ def _hf(settings: Settings) -> tuple[Model, Engine]:
     static = _static(settings)
     loaded = load_model(settings)
     _ = loaded.grammars  # its vocabulary index builds while the worker starts
-    return loaded, ModelEngine(loaded, settings.worker_slots, static, settings.prefill_block, settings.prefill_chunk,
+    return loaded, ModelEngine(loaded, settings.slots(), static, settings.prefill_block, settings.prefill_chunk,
                                settings.prefix_cache_bytes)
 
 
@@ -68,7 +68,21 @@ def _vllm(settings: Settings) -> tuple[Model, Engine]:
     return vllm_engine.build(settings)
 
 
-BUILDERS: dict[str, Callable[[Settings], tuple[Model, Engine]]] = {"sim": _sim, "hf": _hf, "vllm": _vllm}
+def llamacpp_installed() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def _llamacpp(settings: Settings) -> tuple[Model, Engine]:
+    if not llamacpp_installed():
+        raise ValueError("ENGINE=llamacpp needs llama-cpp-python built for this CPU: `make .venv/.llamacpp` "
+                         "(or pip install 'llmserve[llamacpp]')")
+    from worker.llamacpp import engine as llamacpp_engine
+
+    return llamacpp_engine.build(settings)
+
+
+BUILDERS: dict[str, Callable[[Settings], tuple[Model, Engine]]] = {"sim": _sim, "hf": _hf, "vllm": _vllm,
+                                                                   "llamacpp": _llamacpp}
 
 
 def build(settings: Settings) -> tuple[Model, Engine]:

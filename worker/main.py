@@ -180,7 +180,13 @@ class Worker:
             try:
                 self._heartbeat()
             except REDIS_ERRORS as exc:
+                metrics.HEARTBEAT_ERRORS.labels("redis").inc()
                 log.debug("heartbeat not sent", extra={"worker_id": self.id, "error": str(exc)})
+            except Exception:
+                # A fault of its own (an engine's report that fails) must not end the heartbeats of a worker
+                # that still serves: the scheduler would take it for lost and move every stream it holds.
+                metrics.HEARTBEAT_ERRORS.labels("internal").inc()
+                log.exception("heartbeat not sent", extra={"worker_id": self.id})
             self.beat_now.wait(self.settings.heartbeat_interval)
             self.beat_now.clear()
 
@@ -197,7 +203,13 @@ class Worker:
         pipe.execute()
 
     def _held_prefixes(self) -> list[int]:
-        return self.engine.routing.held() if self.engine.routing is not None else []
+        """The cache report; when it fails, the heartbeat goes without it (routing only loses a hint)."""
+        try:
+            return self.engine.routing.held() if self.engine.routing is not None else []
+        except Exception:
+            metrics.HEARTBEAT_ERRORS.labels("internal").inc()
+            log.exception("prefix report failed", extra={"worker_id": self.id})
+            return []
 
     def _read_inbox(self, block: bool) -> None:
         wait_ms = int(self.settings.heartbeat_interval * 1000) if block else None

@@ -54,7 +54,7 @@ from worker.hf.cache import (
 from worker.hf.forward import Part, forward_parts
 from worker.hf.grammar import LLMatcher
 from worker.hf.model import LoadedModel
-from worker.hf.sampling import Logprobs, new_generator, sample
+from worker.hf.sampling import Logprobs, Pick, new_generator, sample_each
 from worker.prefix import HeldPrefixes, PrefixStore, block_digests
 from worker.stops import StopMatcher
 from worker.weights.quant import takes_blocks_together, takes_rows_alone
@@ -516,42 +516,14 @@ class Engine:
             self._keep(keep)
         return outputs
 
-    def _sample(self, logits: torch.Tensor, sequences: list[Sequence]) -> list[tuple[int, Logprobs | None] | None]:
-        """Each row's token and log-probabilities, in one call for the batch. Should that call raise, each row
-        is sampled alone (rows are independent, so the picks are the same), and only rows that raise get None."""
+    def _sample(self, logits: torch.Tensor, sequences: list[Sequence]) -> list[Pick | None]:
+        """Each row's token and log-probabilities (None for a row whose sampling failed)."""
         eos = self.loaded.eos_token_ids
         banned = [eos if s.params.ignore_eos or len(s.output_ids) < s.params.min_tokens else [] for s in sequences]
-        grammar = self._grammar_biases(sequences)
-
-        def pick(rows: slice) -> list[tuple[int, Logprobs | None]]:
-            chosen = sequences[rows]
-            tokens, logprobs = sample(logits[rows], [s.params for s in chosen], [s.generator for s in chosen],
-                                      banned[rows], [s.output_ids for s in chosen], grammar[rows])
-            return list(zip(tokens, logprobs, strict=True))
-
-        try:
-            return pick(slice(None))
-        except Exception:
-            log.exception("sampling failed for the batch; sampling its rows one by one")
-        picks: list[tuple[int, Logprobs | None] | None] = []
-        for row in range(len(sequences)):
-            try:
-                picks += pick(slice(row, row + 1))
-            except Exception as exc:
-                log.warning("sampling failed", extra={"request_id": sequences[row].request_id, "error": str(exc)})
-                picks.append(None)
-        return picks
-
-    def _grammar_biases(self, sequences: list[Sequence]) -> list[torch.Tensor | None]:
-        """Each constrained row's logit biases from its grammar (None for a free row). A matcher that has
-        failed allows nothing; its row then fails when its token is checked."""
-        rows = [row for row, s in enumerate(sequences) if s.matcher is not None]
-        biases: list[torch.Tensor | None] = [None] * len(sequences)
-        if rows:
-            masks = self.loaded.grammars.biases([sequences[row].matcher for row in rows]).to(self.loaded.device)
-            for i, row in enumerate(rows):
-                biases[row] = masks[i]
-        return biases
+        grammar = self.loaded.grammars.row_biases([s.matcher for s in sequences], self.loaded.device) \
+            if any(s.matcher is not None for s in sequences) else [None] * len(sequences)
+        return sample_each(logits, [s.params for s in sequences], [s.generator for s in sequences], banned,
+                           [s.output_ids for s in sequences], grammar, [s.request_id for s in sequences])
 
     def _emit_or_fail(self, sequence: Sequence, pick: tuple[int, Logprobs | None] | None) -> StepOutput:
         """The row's StepOutput; a row whose token cannot be chosen or turned into text fails alone."""

@@ -72,6 +72,19 @@ class Grammars:
             raise GrammarError(f"the grammar cannot be enforced: {matcher.get_error()}")
         return matcher
 
+    def row_biases(self, matchers: list[LLMatcher | None], device: torch.device | None = None
+                   ) -> list[torch.Tensor | None]:
+        """Each constrained row's logit biases (`biases`), None for a free row. A matcher that has failed allows
+        nothing; its row then fails when its token is checked."""
+        rows = [row for row, matcher in enumerate(matchers) if matcher is not None]
+        found: list[torch.Tensor | None] = [None] * len(matchers)
+        if rows:
+            masks = self.biases([matchers[row] for row in rows])
+            masks = masks.to(device) if device is not None else masks
+            for i, row in enumerate(rows):
+                found[row] = masks[i]
+        return found
+
     def biases(self, matchers: list[LLMatcher]) -> torch.Tensor:
         """[rows, vocab] logit biases: 0 for the tokens each matcher allows next, -inf for the others. They
         hold until the next call, which writes over them."""

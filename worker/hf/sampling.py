@@ -5,11 +5,14 @@ batch-mates. Rows that ask for them also get log-probabilities."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from common.protocol import SamplingParams
+
+log = logging.getLogger("worker")
 
 # The most alternatives a row may ask log-probabilities for (OpenAI's limit).
 MAX_TOP_LOGPROBS = 20
@@ -75,6 +78,35 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     for i, row in enumerate(wanted):
         logprobs[row] = _logprobs(log_probs[i], tokens[row], params[row].logprobs)
     return tokens, logprobs
+
+
+Pick = tuple[int, "Logprobs | None"]
+
+
+def sample_each(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+                banned: list[list[int]], generated: list[list[int]], grammar: list[torch.Tensor | None],
+                request_ids: list[str]) -> list[Pick | None]:
+    """`sample` for a batch in one call; should that call raise, each row is sampled alone (rows are
+    independent, so the picks are the same), and only rows that raise get None: one request's bad row fails
+    that request alone."""
+
+    def pick(rows: slice) -> list[Pick]:
+        tokens, logprobs = sample(logits[rows], params[rows], generators[rows], banned[rows], generated[rows],
+                                  grammar[rows])
+        return list(zip(tokens, logprobs, strict=True))
+
+    try:
+        return list(pick(slice(None)))
+    except Exception:
+        log.exception("sampling failed for the batch; sampling its rows one by one")
+    picks: list[Pick | None] = []
+    for row in range(len(params)):
+        try:
+            picks += pick(slice(row, row + 1))
+        except Exception as exc:
+            log.warning("sampling failed", extra={"request_id": request_ids[row], "error": str(exc)})
+            picks.append(None)
+    return picks
 
 
 def _penalise(logits: torch.Tensor, params: list[SamplingParams], generated: list[list[int]]) -> None:

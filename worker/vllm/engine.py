@@ -4,10 +4,9 @@ The worker's loop already steps an engine, so vLLM's `LLMEngine` runs in this pr
 engine core in-process too (no second process, no core spinning while idle): one `step()` schedules, runs the
 model once and returns what each request gained. vLLM samples (seeds, penalties, logit_bias, min_tokens,
 ignore_eos, log-probabilities) and enforces grammars (its structured outputs with the guidance backend, given
-the grammar the gateway built and checked); the text is ours: each token goes through the same detokenizer and
-stop matcher as the own engine's (worker/detokenizer.py, worker/stops.py), so text deltas, stop strings held
-back and migration replay behave alike, and a stop string ends its request with an abort, as vLLM's own
-front end does.
+the grammar the gateway built and checked); the text is worker/output.py's, the output processor ENGINE=llamacpp
+shares, so text deltas, stop strings held back, finish reasons and migration replay behave alike, and a stop
+string ends its request with an abort, as vLLM's own front end does.
 
 A migrated request (`resume`: tokens another worker delivered) is sent as prompt plus those tokens, with its
 max_tokens and min_tokens less what was delivered; their frequency and presence penalties become logit biases
@@ -17,9 +16,11 @@ starts its generator afresh after a move, as on the own engine.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
+import time
 from collections import Counter
 from collections.abc import Callable
 from collections.abc import Sequence as Tokens
@@ -29,12 +30,12 @@ from typing import Any
 from common.errors import ErrorCode
 from common.protocol import SamplingParams, TokenLogprob
 from common.settings import Settings, env_names
-from worker.core import GrammarError, PromptTooLong, StepKind, StepOutput, StepResult
-from worker.detokenizer import Detokenizer
+from worker.core import GrammarError, StepKind, StepOutput, StepResult
+from worker.output import OutputProcessor, SequenceText
 from worker.prefix import HeldPrefixes
-from worker.stops import StopMatcher
 from worker.vllm import DELIVERED
-from worker.vllm.model import VllmModel, cpu_environment, engine_arguments, hf_directory, load_tokenizer_model
+from worker.vllm.model import VllmModel, cpu_environment, hf_directory, load_tokenizer_model
+from worker.vllm.resume import V1, V2, runner_interface
 
 log = logging.getLogger("worker")
 
@@ -60,22 +61,26 @@ def as_lark(grammar: str) -> str:
     raise GrammarError("the grammar has neither Lark text nor a JSON schema")
 
 
-def resumed_biases(params: SamplingParams, resume: Tokens[int]) -> dict[int, float]:
+def resumed_biases(params: SamplingParams, resume: Tokens[int], exact_presence: bool = True) -> dict[int, float]:
     """logit_bias for vLLM: the request's own (a ban as minus infinity, as the own engine bans), plus, for a
     migrated request, the frequency penalty its delivered tokens carry, since vLLM counts only what it generated
-    itself (frequency adds up across the two; presence, which does not, is worker/vllm/resume.py's)."""
+    itself (frequency adds up across the two). Presence, which does not add up, is a logits processor's
+    (worker/vllm/resume.py) where vLLM's model runner takes one; else it is a bias too (`exact_presence` False)."""
     biases: dict[int, float] = {}
     for token, bias in params.logit_bias:
         biases[token] = float("-inf") if bias <= -BAN_BIAS else float(bias)
-    if params.frequency_penalty:
-        for token, count in Counter(resume).items():
-            biases[token] = biases.get(token, 0.0) - params.frequency_penalty * count
+    counts = Counter(resume)
+    for token, count in counts.items():
+        owed = params.frequency_penalty * count + (0.0 if exact_presence else params.presence_penalty)
+        if owed:
+            biases[token] = biases.get(token, 0.0) - owed
     return biases
 
 
-def sampling_arguments(params: SamplingParams, resume: Tokens[int]) -> dict[str, Any]:
+def sampling_arguments(params: SamplingParams, resume: Tokens[int], exact_presence: bool = True) -> dict[str, Any]:
     """vLLM's SamplingParams fields for one of our requests (n is always 1: the gateway sends each choice
-    as a request of its own, with seed + i)."""
+    as a request of its own, with seed + i). A migrated request's delivered tokens ride in `extra_args`, where
+    the presence processor and the grammar replay read them inside vLLM."""
     left = params.max_tokens - len(resume)
     arguments: dict[str, Any] = {
         "n": 1,
@@ -91,34 +96,51 @@ def sampling_arguments(params: SamplingParams, resume: Tokens[int]) -> dict[str,
         "logprobs": params.logprobs,
         "detokenize": False,  # the text is made here, with replay across migrations
     }
-    biases = resumed_biases(params, resume)
+    biases = resumed_biases(params, resume, exact_presence)
     if biases:
         arguments["logit_bias"] = biases
-    if resume and params.presence_penalty:
-        arguments["extra_args"] = {DELIVERED: list(resume)}  # worker/vllm/resume.py's presence penalty
+    if resume and (params.grammar or (params.presence_penalty and exact_presence)):
+        arguments["extra_args"] = {DELIVERED: list(resume)}
     return arguments
 
 
 @dataclass
 class _Sequence:
-    request_id: str
+    text: SequenceText  # what worker/output.py keeps of the request: its tokens and their text
     internal_id: str  # vLLM's own id of the request
-    prompt_tokens: int
-    params: SamplingParams
-    detokenizer: Detokenizer
-    stops: StopMatcher | None
-    emitted: int  # tokens delivered so far, by this worker or (migrated) by others
     started: bool = False  # whether vLLM has sampled its first token here
+
+    @property
+    def request_id(self) -> str:
+        return self.text.request_id
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.text.params
 
 
 class VllmPrefixes(HeldPrefixes):
     """The scheduler's cache-aware routing over vLLM's prefix cache (worker/prefix.py's HeldPrefixes): a block is
-    named by vLLM's own hash of it, from the request just added, and held while vLLM's block pool keeps it."""
+    named by vLLM's own hash of it, from the request just added, and held while vLLM's block pool keeps it.
+    The block pool is the engine loop's alone (vLLM takes no lock): the loop looks up which keys are held
+    (`refresh`, after its steps) and the heartbeat thread reads that answer."""
+
+    REFRESH_S = 0.25  # a heartbeat goes every HEARTBEAT_INTERVAL (1 s): fresher answers would go unread
 
     def __init__(self, hashes_of_last: Callable[[], list[bytes]], block_pool: Any, block_size: int) -> None:
         super().__init__(None, block_size)
         self.hashes_of_last = hashes_of_last
         self.block_pool = block_pool
+        self.answer: list[int] = []
+        self.refreshed = float("-inf")
+
+    def refresh(self, at: float) -> None:
+        if at - self.refreshed >= self.REFRESH_S:
+            self.answer = super().held()
+            self.refreshed = at
+
+    def held(self, most: int = 512) -> list[int]:
+        return self.answer[:most]
 
     def digests(self, prompt_ids: Tokens[int]) -> list[bytes]:
         return self.hashes_of_last()  # the worker remembers a request's keys right after adding it
@@ -133,17 +155,18 @@ class VllmEngine:
     name = "vllm"
 
     def __init__(self, model: VllmModel, llm: Any, slots: int, core: Any = None,
-                 statistics: Callable[[], Any] = lambda: None) -> None:
+                 statistics: Callable[[], Any] = lambda: None, exact_presence: bool = True) -> None:
         """`core`: vLLM's in-process engine core (None: its internals are out of reach); `statistics`: vLLM's
-        scheduler statistics after its last step (worker/vllm/stats.py), or None."""
+        scheduler statistics after its last step (worker/vllm/stats.py), or None; `exact_presence`: whether
+        vLLM runs worker/vllm/resume.py's processor (else a migrated presence penalty is a bias)."""
         self.model = model
+        self.output = OutputProcessor(model.tokenizer, model.eos_token_ids, model.max_length)
         self.llm = llm
         self.slots = slots
         self.statistics = statistics
+        self.exact_presence = exact_presence
         self.sequences: dict[str, _Sequence] = {}
         self.by_internal: dict[str, str] = {}
-        # Delivered tokens a migrated request's grammar must have seen, by vLLM's id, until vLLM builds it.
-        self.replays: dict[str, list[int]] = {}
         # Each constrained request's matcher as vLLM built it, by vLLM's id: a parse that fails (past llguidance's
         # limits) makes vLLM end the answer with an end-of-sequence; here it fails the request, as on the own engine.
         self.matchers: dict[str, Any] = {}
@@ -169,7 +192,7 @@ class VllmEngine:
         stats = self.statistics()
         if stats is not None:
             return round(stats.kv_cache_usage * self.slots * self.model.max_length)
-        return sum(s.prompt_tokens + s.emitted for s in list(self.sequences.values()))
+        return sum(s.text.prompt_tokens + s.text.emitted for s in list(self.sequences.values()))
 
 
     def has_work(self) -> bool:
@@ -180,16 +203,12 @@ class VllmEngine:
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
             resume: list[int] | None = None) -> None:
         resume = list(resume or [])
-        if not prompt_ids:
-            raise PromptTooLong("the prompt is empty after tokenisation")
-        if len(prompt_ids) + len(resume) >= self.model.max_length:
-            raise PromptTooLong(f"the prompt has {len(prompt_ids)} tokens; the model's context is "
-                                f"{self.model.max_length} tokens, prompt and completion together")
+        self.output.check(prompt_ids, resume)
         from vllm import SamplingParams as VllmParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
-        arguments = sampling_arguments(params, resume)
+        arguments = sampling_arguments(params, resume, self.exact_presence)
         if params.grammar:
             arguments["structured_outputs"] = StructuredOutputsParams(grammar=as_lark(params.grammar))
         if resume and params.grammar and not self.grammars_hooked:
@@ -201,14 +220,7 @@ class VllmEngine:
             if params.grammar and "grammar" in str(exc).lower():
                 raise GrammarError(str(exc)) from None
             raise
-        if resume and params.grammar:
-            self.replays[internal] = resume
-        sequence = _Sequence(request_id, internal, len(prompt_ids), params,
-                             Detokenizer(self.model.tokenizer, prompt_ids),
-                             StopMatcher(params.stop) if any(params.stop) else None, 0)
-        for token in resume:
-            # Replayed as the lost worker emitted them, so that held-back text continues exactly.
-            self._text(sequence, token, last=False)
+        sequence = _Sequence(self.output.open(request_id, prompt_ids, params, resume), internal)
         self.sequences[request_id] = sequence
         self.by_internal[internal] = request_id
         self.last_added = internal
@@ -236,7 +248,6 @@ class VllmEngine:
 
     def _forget(self, sequence: _Sequence) -> None:
         self.by_internal.pop(sequence.internal_id, None)
-        self.replays.pop(sequence.internal_id, None)
         self.matchers.pop(sequence.internal_id, None)
 
     # -- one step
@@ -252,6 +263,8 @@ class VllmEngine:
                 continue
             firsts += not sequence.started
             outputs += self._outputs(sequence, request_output)
+        if self.routing is not None:
+            self.routing.refresh(time.monotonic())
         kind: StepKind = "prefill" if firsts and firsts == len(outputs) else "mixed" if firsts else "decode"
         return StepResult(kind if outputs else "prefill", outputs)
 
@@ -276,30 +289,16 @@ class VllmEngine:
         return outputs
 
     def _emit(self, sequence: _Sequence, token: int, reason: str | None, ended: bool) -> StepOutput:
-        """Token `token` of `sequence` as a StepOutput; `reason` is vLLM's, when `ended` says vLLM is done
-        with the request. A stop string may end it here first: vLLM is then told to drop it."""
+        """Token `token` of `sequence` through worker/output.py; `reason` is vLLM's, when `ended` says vLLM is
+        done with the request. The text may end it here first (a stop string): vLLM is then told to drop it."""
         sequence.started = True
-        # An end-of-sequence token that ends the text adds none; what a stop string held goes out with it.
-        eos = reason == "stop" and token in self.model.eos_token_ids
-        text, stopped = self._text(sequence, token, last=reason is not None, eos=eos)
-        if stopped:
-            reason = "stop"
-        if reason is not None:
+        output = self.output.emit(sequence.text, token, reason)
+        if output.finish_reason is not None:
             self.sequences.pop(sequence.request_id, None)
             self._forget(sequence)
             if not ended:
                 self.llm.abort_request([sequence.internal_id], internal=True)
-        return StepOutput(sequence.request_id, token, sequence.emitted - 1, text, reason, sequence.prompt_tokens)
-
-    @staticmethod
-    def _text(sequence: _Sequence, token: int, last: bool, eos: bool = False) -> tuple[str, bool]:
-        """The text `token` adds, less what a stop string may still claim; whether a stop string completed.
-        Stop strings count once min_tokens are out, as in vLLM."""
-        sequence.emitted += 1
-        text = "" if eos else sequence.detokenizer.push(token)
-        if sequence.stops is None or sequence.emitted <= sequence.params.min_tokens:
-            return text, False
-        return sequence.stops.push(text, last=last)
+        return output
 
     def _end_without_token(self, sequence: _Sequence, reason: str | None) -> StepOutput:
         code = ErrorCode.INVALID_VALUE if sequence.params.grammar else ErrorCode.ENGINE_ERROR  # a grammar vLLM refused
@@ -311,8 +310,7 @@ class VllmEngine:
         self._forget(sequence)
         if not aborted:
             self.llm.abort_request([sequence.internal_id], internal=True)
-        return StepOutput(sequence.request_id, -1, sequence.emitted, "", None, sequence.prompt_tokens,
-                          error=message, error_code=code)
+        return self.output.fail(sequence.text, message, code)
 
     def _grammar_failed(self, sequence: _Sequence) -> bool:
         matcher = getattr(self.matchers.get(sequence.internal_id), "ll_matcher", None)
@@ -354,7 +352,9 @@ class VllmEngine:
 
     def _hook_grammars(self) -> None:
         """Have vLLM's matcher of a migrated request consume the tokens it delivered before it constrains the
-        next one: vLLM builds each request's grammar in its structured-output manager, which is wrapped here."""
+        next one: vLLM builds each request's grammar in its structured-output manager, which is wrapped here.
+        The tokens come with the request itself (its extra_args), since vLLM may build the grammar on its own
+        thread pool before add_request has returned."""
         manager = getattr(self.scheduler, "structured_output_manager", None)
         build = getattr(manager, "_create_grammar", None)
         self.grammars_hooked = build is not None
@@ -365,7 +365,7 @@ class VllmEngine:
         def create_grammar(request: Any) -> Any:
             grammar = build(request)
             self.matchers[request.request_id] = grammar
-            replay = self.replays.pop(request.request_id, None)
+            replay = (getattr(request.sampling_params, "extra_args", None) or {}).get(DELIVERED)
             if replay and not grammar.accept_tokens(request.request_id, replay):
                 raise GrammarError("the delivered tokens do not keep to the grammar")
             return grammar
@@ -373,9 +373,23 @@ class VllmEngine:
         manager._create_grammar = create_grammar
 
 
+def presence_processor(interface: str) -> type | None:
+    """worker/vllm/resume.py's processor for the runner's interface, or None where this vLLM lacks it."""
+    if interface == V1 and importlib.util.find_spec("vllm.v1.sample.logits_processor") is not None:
+        from worker.vllm.resume_v1 import DeliveredPresence
+
+        return DeliveredPresence
+    if interface == V2:
+        from worker.vllm.resume_v2 import DeliveredPresenceV2
+
+        return DeliveredPresenceV2
+    return None
+
+
 def build(settings: Settings) -> tuple[VllmModel, VllmEngine]:
-    """Load vLLM with our settings: the model written from its GGUF file if it is one, the engine core in this
-    process, WORKER_SLOTS sequences (the heartbeat's slots)."""
+    """Load vLLM with our settings and VLLM_ENGINE_ARGS (worker/vllm/config.py): the model written from its GGUF
+    file if it is one, the engine core in this process, the presence penalty of migrated requests on the model
+    runner vLLM picks (worker/vllm/resume.py); the heartbeat's slots are vLLM's max_num_seqs."""
     import torch
 
     cuda = torch.cuda.is_available()
@@ -387,18 +401,27 @@ def build(settings: Settings) -> tuple[VllmModel, VllmEngine]:
     if not cuda:
         for name, value in cpu_environment(settings).items():
             os.environ.setdefault(name, value)
-    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    from worker.vllm.resume import DeliveredPresence
+    from worker.vllm.config import engine_config
     from worker.vllm.stats import EngineStats
 
-    path = hf_directory(settings)
-    arguments = {**engine_arguments(settings, path, cuda), "logits_processors": [DeliveredPresence]}
+    path = hf_directory(settings, cuda=cuda)
+    config = engine_config(settings, path, cuda)
+    # Asked of the platform's class: vLLM's platform object answers a name it lacks with None and a warning.
+    standalone = getattr(type(current_platform), "uses_standalone_cpu_model_runner", None)
+    interface = runner_interface(config, standalone is not None and standalone())
+    processor = presence_processor(interface)
+    if processor is not None:
+        config.model_config.logits_processors = [*(config.model_config.logits_processors or ()), processor]
     EngineStats.model = settings.model
-    llm = LLMEngine.from_engine_args(EngineArgs(**arguments), stat_loggers=[EngineStats])
-    config = llm.vllm_config
+    llm = LLMEngine.from_vllm_config(config, stat_loggers=[EngineStats])
     model = load_tokenizer_model(settings, path, int(config.model_config.max_model_len))
     core = getattr(llm.engine_core, "engine_core", None)  # the in-process engine core (None in another process)
-    return model, VllmEngine(model, llm, int(config.scheduler_config.max_num_seqs), core,
-                             lambda: EngineStats.latest)
+    engine = VllmEngine(model, llm, int(config.scheduler_config.max_num_seqs), core, lambda: EngineStats.latest,
+                        exact_presence=processor is not None)
+    log.info("vLLM engine", extra={"model_runner": interface or "standalone", "exact_presence": processor is not None,
+                                   "max_num_seqs": engine.slots,
+                                   "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens})
+    return model, engine

@@ -59,39 +59,43 @@ def gguf_source(settings: Settings) -> tuple[str, str] | None:
     return None
 
 
-def converted_dir(gguf_path: str, root: str) -> str:
-    """Where the Hugging Face form of a GGUF file lives: named by the file and its size and time, so a
-    changed file is written anew."""
+def converted_dir(gguf_path: str, root: str, weights_dtype: str = "float32") -> str:
+    """Where the Hugging Face form of a GGUF file lives: named by the file, its size and time and the dtype
+    it is written in, so that a changed file is written anew."""
     stat = os.stat(gguf_path)
     tag = hashlib.blake2b(f"{os.path.abspath(gguf_path)}:{stat.st_size}:{stat.st_mtime_ns}".encode(),
                           digest_size=6).hexdigest()
     stem = os.path.splitext(os.path.basename(gguf_path))[0]
-    return os.path.join(root, f"{stem}-{tag}")
+    suffix = "" if weights_dtype == "float32" else f"-{weights_dtype}"
+    return os.path.join(root, f"{stem}-{tag}{suffix}")
 
 
-def hf_directory(settings: Settings, root: str | None = None) -> str:
-    """The directory (or hub id) vLLM loads for MODEL: a GGUF file is written out once as float32 safetensors
-    with its tokenizer; anything else is passed on as it is."""
+def hf_directory(settings: Settings, root: str | None = None, cuda: bool = False) -> str:
+    """The directory (or hub id) vLLM loads for MODEL: a Hugging Face directory or id as it is; a GGUF file
+    written out once as safetensors with its tokenizer, in the dtype vLLM serves it in (WORKER_DTYPE: bfloat16
+    on a GPU, float32 on CPU), so that a GPU never holds a float32 copy."""
     source = gguf_source(settings)
     if source is None:
         return settings.model
-    target = converted_dir(os.path.join(*source), root or cache_root())
+    weights_dtype = dtype(settings.worker_dtype, cuda)
+    target = converted_dir(os.path.join(*source), root or cache_root(), weights_dtype)
     if not os.path.exists(os.path.join(target, DONE_MARK)):
-        write_hf_directory(*source, target)
+        write_hf_directory(*source, target, weights_dtype)
     return target
 
 
-def write_hf_directory(directory: str, gguf_file: str, target: str) -> None:
-    """Dequantise the GGUF file to float32 safetensors in `target`. Written in a scratch directory and renamed
-    into place, so two workers starting at once never read half a model."""
+def write_hf_directory(directory: str, gguf_file: str, target: str, weights_dtype: str = "float32") -> None:
+    """Dequantise the GGUF file to safetensors of `weights_dtype` in `target`. Written in a scratch directory
+    and renamed into place, so two workers starting at once never read half a model."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    log.info("writing the model for vLLM", extra={"gguf": gguf_file, "target": target})
+    log.info("writing the model for vLLM", extra={"gguf": gguf_file, "target": target, "dtype": weights_dtype})
     os.makedirs(os.path.dirname(target), exist_ok=True)
     scratch = tempfile.mkdtemp(prefix=".writing-", dir=os.path.dirname(target))
     try:
-        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file,
+                                                     dtype=getattr(torch, weights_dtype))
         # The weights are plain floats now: the GGUF quantisation the config still names would mislead vLLM.
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
@@ -141,20 +145,24 @@ def dtype(setting: str, cuda: bool) -> str:
 
 
 def engine_arguments(settings: Settings, path: str, cuda: bool) -> dict[str, Any]:
-    """vLLM's EngineArgs for our settings: WORKER_SLOTS sequences at once, vLLM's prefix cache, the guidance
-    (llguidance) backend for the grammars the gateway built, and log-probabilities as many as the API allows."""
+    """vLLM's EngineArgs for our settings (VLLM_ENGINE_ARGS's flags go over them: worker/vllm/config.py): vLLM's
+    prefix cache, the guidance (llguidance) backend for the grammars the gateway built, log-probabilities as many
+    as the API allows, and WORKER_SLOTS sequences at once and VLLM_GPU_MEMORY_UTILIZATION where they are set
+    (0: `vllm serve`'s choice)."""
     arguments: dict[str, Any] = {
         "model": path,
         "dtype": dtype(settings.worker_dtype, cuda),
-        "max_num_seqs": settings.worker_slots,
         "enforce_eager": enforce_eager(settings.vllm_enforce_eager, cuda),
         "enable_prefix_caching": settings.prefix_cache_bytes > 0,
         "structured_outputs_config": {"backend": "guidance"},
         "max_logprobs": 20,
         "tensor_parallel_size": settings.vllm_tensor_parallel_size,
-        "gpu_memory_utilization": settings.vllm_gpu_memory_utilization,
         "seed": 0,
     }
+    if settings.vllm_gpu_memory_utilization:
+        arguments["gpu_memory_utilization"] = settings.vllm_gpu_memory_utilization
+    if settings.worker_slots:
+        arguments["max_num_seqs"] = settings.worker_slots
     if settings.vllm_max_model_len:
         arguments["max_model_len"] = settings.vllm_max_model_len
     if cuda and settings.vllm_kv_cache_gb:

@@ -1,72 +1,49 @@
-"""A vLLM logits processor for migrated requests: the presence penalty of the tokens another worker delivered.
+"""A migrated request's presence penalty under vLLM, on whichever model runner vLLM picks.
 
-A moved request reaches vLLM as prompt plus delivered tokens, and vLLM penalises only what it generates itself.
-The frequency penalty of the delivered tokens adds up with vLLM's, so it travels as a logit bias
-(worker/vllm/engine.py); the presence penalty counts a token once, delivered or generated, so it is applied here
-to each delivered token until vLLM generates it again (vLLM's own penalty takes over then). Imported only where
-vLLM is: vLLM calls it in its sampler, before temperature, like its own penalties."""
+A moved request reaches vLLM as prompt plus the tokens another worker delivered, and vLLM penalises only what it
+generates itself. The frequency penalty of the delivered tokens adds up with vLLM's, so it travels as a logit bias
+(worker/vllm/engine.py). The presence penalty counts a token once, delivered or generated: each delivered token is
+penalised here until vLLM generates it again, when vLLM's own penalty takes over. vLLM runs that as a logits
+processor, and its two model runners take two interfaces (resume_v1.py, resume_v2.py); where the runner takes
+none, the penalty travels as a bias too (`exact_presence` is then False): exact until vLLM generates a delivered
+token again, which is then penalised twice.
+
+This module is pure (no vLLM import): which interface, and the per-request part both processors share; the
+engine loads the processor (worker/vllm/engine.py's presence_processor)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
-
-import torch
-from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from worker.vllm import DELIVERED
 
+V1 = "v1"  # vllm.v1.sample.logits_processor: the V1 model runners (vLLM up to 0.33)
+V2 = "v2"  # vllm.v1.worker.gpu.sample.logits_processor: Model Runner V2, on CUDA and on x86 CPUs
 
-@dataclass
-class _Row:
+
+@dataclass(frozen=True)
+class Delivered:
+    """What a migrated request carries for the presence penalty: the penalty and the distinct delivered tokens."""
+
     penalty: float
-    pending: set[int]  # delivered tokens vLLM has not generated since
-    output: list[int]  # vLLM's own list of the tokens it generated for the row, read as it grows
-    seen: int = field(default=0)
+    tokens: tuple[int, ...]
 
 
-def _row(params: Any, output: list[int]) -> _Row | None:
-    delivered = (params.extra_args or {}).get(DELIVERED)
-    if not delivered or not params.presence_penalty:
+def delivered(params: Any) -> Delivered | None:
+    """The presence penalty a request's delivered tokens still owe (vLLM SamplingParams in), or None."""
+    tokens = (getattr(params, "extra_args", None) or {}).get(DELIVERED)
+    penalty = float(getattr(params, "presence_penalty", 0.0) or 0.0)
+    if not tokens or not penalty:
         return None
-    return _Row(float(params.presence_penalty), set(delivered), output)
+    return Delivered(penalty, tuple(sorted(set(tokens))))
 
 
-class DeliveredPresence(LogitsProcessor):
-    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
-        self.device = device
-        self.rows: dict[int, _Row] = {}
-
-    def is_argmax_invariant(self) -> bool:
-        return False  # a penalty can change the greedy choice
-
-    def update_state(self, batch_update: BatchUpdate | None) -> None:
-        if batch_update is None:
-            return
-        for index, params, _prompt, output in batch_update.added:
-            row = _row(params, output)
-            if row is None:
-                self.rows.pop(index, None)
-            else:
-                self.rows[index] = row
-        for index in batch_update.removed:
-            self.rows.pop(index, None)
-        for a, b, direction in batch_update.moved:
-            first, second = self.rows.pop(a, None), self.rows.pop(b, None)
-            if first is not None:
-                self.rows[b] = first
-            if second is not None and direction == MoveDirectionality.SWAP:
-                self.rows[a] = second
-
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        rows, tokens, penalties = [], [], []
-        for index, row in self.rows.items():
-            row.pending.difference_update(row.output[row.seen:])
-            row.seen = len(row.output)
-            rows += [index] * len(row.pending)
-            tokens += row.pending
-            penalties += [row.penalty] * len(row.pending)
-        if rows:
-            where = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
-            logits[where] -= torch.tensor(penalties, dtype=logits.dtype, device=logits.device)
-        return logits
+def runner_interface(config: Any, standalone_cpu: bool) -> str:
+    """The logits-processor interface of the model runner vLLM builds for `config` (a VllmConfig): V1 or V2, or
+    "" where the runner takes no custom processor (vLLM 0.34's standalone CPU runner, on CPUs without Triton
+    other than x86). Up to 0.33 `use_v2_model_runner` decides (true on CUDA with Triton unless
+    VLLM_USE_V2_MODEL_RUNNER=0); from 0.34 Model Runner V2 is the only one."""
+    if hasattr(type(config), "use_v2_model_runner"):
+        return V2 if config.use_v2_model_runner else V1
+    return "" if standalone_cpu else V2

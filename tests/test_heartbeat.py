@@ -1,0 +1,72 @@
+"""A worker's heartbeats survive faults of the worker's own: an engine whose cache report fails still beats (the
+report left out), and a heartbeat that fails for any reason, not only Redis, is logged and counted while the next
+ones still go, so the scheduler never takes a serving worker for lost. On a real redis-server."""
+
+from __future__ import annotations
+
+import threading
+
+from common.clients import sync_client
+from common.protocol import Heartbeat, Keys, decode
+from common.settings import Settings
+from llmserve.launcher import wait_until
+from tests.conftest import redis_server
+from worker import metrics
+from worker.main import Worker
+from worker.sim import SimEngine, SimModel
+
+
+class BrokenReport:
+    """A cache report that fails, as vLLM's block pool read from another thread once could."""
+
+    def remember(self, keys: list, prompt_ids: list[int]) -> None:
+        pass
+
+    def held(self) -> list[int]:
+        raise RuntimeError("the block pool changed while it was read")
+
+
+def errors(kind: str) -> float:
+    return metrics.HEARTBEAT_ERRORS.labels(kind)._value.get()
+
+
+def worker(url: str) -> Worker:
+    model = SimModel()
+    settings = Settings(redis_url=url, namespace="beats", heartbeat_interval=0.05)
+    return Worker(settings, model, SimEngine(model, 4, 0, 0))
+
+
+def test_a_failing_cache_report_leaves_the_heartbeat_going_without_it() -> None:
+    with redis_server() as url:
+        subject = worker(url)
+        subject.engine.routing = BrokenReport()
+        before = errors("internal")
+        subject._heartbeat()
+        beat = decode(sync_client(url).get(Keys("beats").heartbeat(subject.id)), Heartbeat, 1 << 20)
+        assert beat.worker_id == subject.id and beat.prefixes == []
+        assert errors("internal") == before + 1
+
+
+def test_a_heartbeat_that_fails_for_any_reason_does_not_stop_the_next_ones() -> None:
+    with redis_server() as url:
+        subject = worker(url)
+        real, calls = subject._heartbeat, []
+
+        def flaky() -> None:
+            calls.append(1)
+            if len(calls) <= 2:
+                raise KeyError("a fault of the worker's own")
+            real()
+
+        subject._heartbeat = flaky
+        before = errors("internal")
+        beats = threading.Thread(target=subject._beat, daemon=True)
+        beats.start()
+        key = Keys("beats").heartbeat(subject.id)
+        try:
+            wait_until(lambda: sync_client(url).exists(key), 10, "a heartbeat after two failures", 0.02)
+        finally:
+            subject.beating = False
+            subject.beat_now.set()
+            beats.join(5)
+        assert errors("internal") == before + 2 and len(calls) >= 3

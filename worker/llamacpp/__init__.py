@@ -1,0 +1,1 @@
+"""ENGINE=llamacpp: llama.cpp hosted behind worker/core.py's seam (worker/llamacpp/engine.py)."""
