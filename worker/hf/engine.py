@@ -525,7 +525,7 @@ class Engine:
         return sample_each(logits, [s.params for s in sequences], [s.generator for s in sequences], banned,
                            [s.output_ids for s in sequences], grammar, [s.request_id for s in sequences])
 
-    def _emit_or_fail(self, sequence: Sequence, pick: tuple[int, Logprobs | None] | None) -> StepOutput:
+    def _emit_or_fail(self, sequence: Sequence, pick: Pick | None) -> StepOutput:
         """The row's StepOutput; a row whose token cannot be chosen or turned into text fails alone."""
         try:
             if pick is None:

@@ -25,7 +25,7 @@ from common.protocol import SamplingParams
 from common.settings import Settings
 from worker.core import GrammarError, StepKind, StepOutput, StepResult
 from worker.hf.grammar import LLMatcher
-from worker.hf.sampling import Logprobs, Pick, new_generator, sample_each
+from worker.hf.sampling import Pick, new_generator, sample_each
 from worker.llamacpp.library import DecodeError, NoRoom, Row
 from worker.llamacpp.model import LlamaCppModel, load
 from worker.output import OutputProcessor, SequenceText
@@ -203,11 +203,11 @@ class LlamaCppEngine:
         return rows, sampled, kind
 
     def _advance(self, rows: list[Row], sampled: list[_Sequence], logits: torch.Tensor) -> list[StepOutput]:
-        # Every row fed is in the cache now.
+        # Every row fed is in the cache now: each sequence's rows are in order, so its last one counts.
+        last = {row.seq: row.pos for row in rows}
         for sequence in self.running:
-            fed = [row.pos for row in rows if row.seq == sequence.seq]
-            if fed:
-                sequence.cached = fed[-1] + 1
+            if sequence.seq in last:
+                sequence.cached = last[sequence.seq] + 1
         outputs = []
         for sequence, pick in zip(sampled, self._sample(logits, sampled), strict=True):
             output = self._emit_or_fail(sequence, pick)
@@ -216,19 +216,17 @@ class LlamaCppEngine:
             outputs.append(output)
         return outputs
 
-    def _sample(self, logits: torch.Tensor, sequences: list[_Sequence]) -> list[tuple[int, Logprobs | None] | None]:
-        with one_torch_thread():
-            return self._sample_rows(logits, sequences)
-
-    def _sample_rows(self, logits: torch.Tensor, sequences: list[_Sequence]) -> list[Pick | None]:
+    def _sample(self, logits: torch.Tensor, sequences: list[_Sequence]) -> list[Pick | None]:
         eos = self.model.eos_token_ids
         banned = [eos if s.text.holds_eos() else [] for s in sequences]
-        grammar = self.model.grammars.row_biases([s.matcher for s in sequences]) \
-            if any(s.matcher is not None for s in sequences) else [None] * len(sequences)
-        return sample_each(logits, [s.text.params for s in sequences], [s.generator for s in sequences], banned,
-                           [s.text.tokens for s in sequences], grammar, [s.request_id for s in sequences])
+        with one_torch_thread():
+            # The grammars' index is built on first use: only a constrained row asks for it.
+            grammar = self.model.grammars.row_biases([s.matcher for s in sequences]) \
+                if any(s.matcher is not None for s in sequences) else [None] * len(sequences)
+            return sample_each(logits, [s.text.params for s in sequences], [s.generator for s in sequences],
+                               banned, [s.text.tokens for s in sequences], grammar, [s.request_id for s in sequences])
 
-    def _emit_or_fail(self, sequence: _Sequence, pick: tuple[int, Logprobs | None] | None) -> StepOutput:
+    def _emit_or_fail(self, sequence: _Sequence, pick: Pick | None) -> StepOutput:
         if pick is None:
             return self.output.fail(sequence.text, "no token could be sampled with these parameters")
         token, logprobs = pick
