@@ -198,6 +198,8 @@ class Heartbeat(msgspec.Struct, tag="heartbeat"):
     engine: str = ""
     # The names it answers to (SERVED_MODEL_NAME); empty: `model` alone.
     names: list[str] = msgspec.field(default_factory=list)
+    # What its linear layers run on (the own engine: gguf, int8 or none; worker/weights/paths.py), for /v1/models.
+    weights: str = ""
 
     def serves(self) -> list[str]:
         return self.names or [self.model]

@@ -34,7 +34,8 @@ async def served_models(bus: Bus) -> list[str]:
 
 @router.get("/models", summary="The models the live workers serve")
 async def list_models(request: Request) -> dict[str, object]:
-    """Each name once, with the weights behind it (`root`, as vLLM says) and how many live workers serve it."""
+    """Each name once, with the weights behind it (`root`, as vLLM says), how many live workers serve it, and
+    what they run it on (their engines and weights paths)."""
     bus = bus_of(request)
     created = int(time.time())
     live = await bus.live_workers()
@@ -42,7 +43,9 @@ async def list_models(request: Request) -> dict[str, object]:
     for name in await served_models(bus):
         workers = serving(live, name)
         data.append({"id": name, "object": "model", "created": created, "owned_by": "llmserve",
-                     "root": workers[0].model if workers else name, "workers": len(workers)})
+                     "root": workers[0].model if workers else name, "workers": len(workers),
+                     "engines": sorted({w.engine for w in workers if w.engine}),
+                     "weights": sorted({w.weights for w in workers if w.weights})})
     return {"object": "list", "data": data}
 
 

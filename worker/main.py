@@ -195,7 +195,7 @@ class Worker:
                          self.engine.running_count, self.engine.waiting_count, self.finished_total, now(),
                          draining=self.drain_until is not None, metrics_port=self.metrics_port,
                          vocab=self.loaded.vocab, prefixes=self._held_prefixes(), engine=self.engine.name,
-                         names=self.names)
+                         names=self.names, weights=self.loaded.weights)
         ttl_ms = int(self.settings.worker_ttl * 1000)
         pipe = self.redis.pipeline(transaction=False)
         pipe.set(self.keys.heartbeat(self.id), encode(beat, self.settings.max_message_bytes), px=ttl_ms)

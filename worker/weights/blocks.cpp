@@ -572,7 +572,8 @@ at::Tensor block_mlp_residual(const at::Tensor& x, const at::Tensor& attended, c
 // [rows, length, width] through RMSNorm and the fused q, k, v product, the rotary heads, the cache write and each
 // row's attention, then o_proj, the MLP and both residuals. The same calls in the same order as the layer's
 // Python forward (worker/weights/quant.py), so the same bits.
-at::Tensor block_layer(const at::Tensor& x, const at::Tensor& qkv, int64_t qkv_n, const at::Tensor& input_gain,
+at::Tensor block_layer(const at::Tensor& x, const at::Tensor& qkv, int64_t qkv_n,
+                       const std::optional<at::Tensor>& qkv_bias, const at::Tensor& input_gain,
                        const at::Tensor& o_proj, const at::Tensor& gate_up, const at::Tensor& down_proj, int64_t inner,
                        const at::Tensor& post_gain, double eps, int64_t head_dim, int64_t q_heads, int64_t kv_heads,
                        const at::Tensor& cos, const at::Tensor& signed_sin, at::TensorList key_buffers,
@@ -580,7 +581,8 @@ at::Tensor block_layer(const at::Tensor& x, const at::Tensor& qkv, int64_t qkv_n
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat, "llmserve::block_layer takes [rows, length, width]");
   const int64_t rows = x.size(0), length = x.size(1), width = x.size(2);
   const at::Tensor flat = x.contiguous().view({rows * length, width});
-  const at::Tensor projected = block_linear(flat, qkv, qkv_n, input_gain, eps);
+  at::Tensor projected = block_linear(flat, qkv, qkv_n, input_gain, eps);
+  if (qkv_bias) projected.add_(*qkv_bias);  // Qwen 2's biases on q, k and v
   auto [query, key, value] =
       llmserve::rotary_heads(projected, rows, length, head_dim, q_heads, kv_heads, cos, signed_sin);
   const at::Tensor attended =
@@ -593,7 +595,8 @@ at::Tensor block_layer(const at::Tensor& x, const at::Tensor& qkv, int64_t qkv_n
 // Every decoder layer of the stack in turn, in one call from Python instead of one a layer: block_layer over layer
 // l's weights and its rows' buffers (key_buffers and value_buffers hold every layer's rows, layer after layer). The
 // same calls in the same order, so the same bits as the layers called one by one.
-at::Tensor block_layers(const at::Tensor& x, at::TensorList qkv, int64_t qkv_n, at::TensorList input_gains,
+at::Tensor block_layers(const at::Tensor& x, at::TensorList qkv, int64_t qkv_n, at::TensorList qkv_biases,
+                        at::TensorList input_gains,
                         at::TensorList o_proj, at::TensorList gate_up, at::TensorList down_proj, int64_t inner,
                         at::TensorList post_gains, double eps, int64_t head_dim, int64_t q_heads, int64_t kv_heads,
                         const at::Tensor& cos, const at::Tensor& signed_sin, at::TensorList key_buffers,
@@ -602,11 +605,14 @@ at::Tensor block_layers(const at::Tensor& x, at::TensorList qkv, int64_t qkv_n, 
   for (const at::TensorList& weights : {input_gains, o_proj, gate_up, down_proj, post_gains}) {
     TORCH_CHECK(weights.size() == layers, "llmserve::block_layers: one of each weight a layer");
   }
+  TORCH_CHECK(qkv_biases.empty() || qkv_biases.size() == layers, "llmserve::block_layers: a bias a layer, or none");
   TORCH_CHECK(key_buffers.size() == layers * rows && value_buffers.size() == layers * rows,
               "llmserve::block_layers: each layer's buffers for every row");
   at::Tensor hidden = x;
   for (size_t l = 0; l < layers; ++l) {
-    hidden = block_layer(hidden, qkv[l], qkv_n, input_gains[l], o_proj[l], gate_up[l], down_proj[l], inner,
+    const std::optional<at::Tensor> bias =
+        qkv_biases.empty() ? std::nullopt : std::optional<at::Tensor>(qkv_biases[l]);
+    hidden = block_layer(hidden, qkv[l], qkv_n, bias, input_gains[l], o_proj[l], gate_up[l], down_proj[l], inner,
                          post_gains[l], eps, head_dim, q_heads, kv_heads, cos, signed_sin,
                          key_buffers.slice(l * rows, rows), value_buffers.slice(l * rows, rows), lengths, scaling);
   }
@@ -621,13 +627,13 @@ TORCH_LIBRARY_FRAGMENT(llmserve, m) {
         "Tensor gain, float eps) -> Tensor",
         &block_mlp_residual);
   m.def("block_isa(int most) -> int", &block_isa);
-  m.def("block_layer(Tensor x, Tensor qkv, int qkv_n, Tensor input_gain, Tensor o_proj, Tensor gate_up, "
-        "Tensor down_proj, int inner, Tensor post_gain, float eps, int head_dim, int q_heads, int kv_heads, "
+  m.def("block_layer(Tensor x, Tensor qkv, int qkv_n, Tensor? qkv_bias, Tensor input_gain, Tensor o_proj, "
+        "Tensor gate_up, Tensor down_proj, int inner, Tensor post_gain, float eps, int head_dim, int q_heads, int kv_heads, "
         "Tensor cos, Tensor signed_sin, Tensor[] key_buffers, Tensor[] value_buffers, int[] lengths, float scaling) "
         "-> Tensor",
         &block_layer);
-  m.def("block_layers(Tensor x, Tensor[] qkv, int qkv_n, Tensor[] input_gains, Tensor[] o_proj, Tensor[] gate_up, "
-        "Tensor[] down_proj, int inner, Tensor[] post_gains, float eps, int head_dim, int q_heads, int kv_heads, "
+  m.def("block_layers(Tensor x, Tensor[] qkv, int qkv_n, Tensor[] qkv_biases, Tensor[] input_gains, "
+        "Tensor[] o_proj, Tensor[] gate_up, Tensor[] down_proj, int inner, Tensor[] post_gains, float eps, int head_dim, int q_heads, int kv_heads, "
         "Tensor cos, Tensor signed_sin, Tensor[] key_buffers, Tensor[] value_buffers, int[] lengths, float scaling) "
         "-> Tensor",
         &block_layers);

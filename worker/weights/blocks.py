@@ -25,11 +25,11 @@ import gguf
 import numpy as np
 import torch
 from torch import nn
-from transformers import Cache, PreTrainedModel
+from transformers import Cache, LlamaForCausalLM, PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from worker.hf.cache import attend_layers
-from worker.weights import native
+from worker.weights import native, transcode
 from worker.weights.quant import ROWWISE_ATTENTION, RowwiseLlamaLayer, attending, plain_llama
 
 Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
@@ -130,13 +130,16 @@ class BlockLinear(nn.Module):
         """`tensors`' rows, each tensor's reordered by its entry of `rows` where that is not None (llama.cpp's q
         and k differ from transformers'), one matrix after another (q, k, v fused: one call)."""
         super().__init__()
-        kinds = {t.kind for t in tensors}
-        if len(kinds) != 1 or not kinds <= {Q4_1, Q8_0}:
-            raise BlockError(f"{', '.join(t.name for t in tensors)}: blocks of {sorted(k.name for k in kinds)}, "
-                             "not all Q4_1 or all Q8_0")
+        kinds = [t.kind for t in tensors]
+        unknown = sorted({k.name for k in kinds if k not in transcode.READABLE})
+        if unknown:
+            raise BlockError(f"{', '.join(t.name for t in tensors)}: blocks of {', '.join(unknown)}, which the "
+                             "kernels cannot take")
+        self.kind = transcode.target(kinds)
+        self.exact = transcode.exact(kinds)  # the file's own weights, bit for bit
         orders = rows or [None] * len(tensors)
-        raw = np.concatenate([t.data if o is None else t.data[o] for t, o in zip(tensors, orders, strict=True)])
-        self.kind = kinds.pop()
+        raw = np.concatenate([transcode.transcode(t.data if o is None else t.data[o], t.kind, self.kind)
+                              for t, o in zip(tensors, orders, strict=True)])
         self.in_features = int(tensors[0].shape[0])
         self.out_features = raw.shape[0]
         self.packed = pack(raw, self.kind)
@@ -176,6 +179,9 @@ class BlockLlamaLayer(RowwiseLlamaLayer):
         self.stack: BlockStack | None = None  # every layer of its model, once quantize_blocks has them all
         self.gains = (self.input_layernorm.weight.detach().float().contiguous(),
                       self.post_attention_layernorm.weight.detach().float().contiguous())
+        attn = layer.self_attn
+        biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+        self.qkv_bias = None if biases[0] is None else torch.cat([b.detach().float() for b in biases]).contiguous()
 
     def forward_parts(self, hidden: list[torch.Tensor], rope: list[tuple[torch.Tensor, torch.Tensor]],
                       masks: list[torch.Tensor | None], caches: list[Cache]) -> list[torch.Tensor]:
@@ -189,7 +195,7 @@ class BlockLlamaLayer(RowwiseLlamaLayer):
         qkv, o_proj, gate_up, down_proj = self.qkv, self.o_proj, self.gate_up, self.down_proj
 
         def layer(keys: list[torch.Tensor], values: list[torch.Tensor], lengths: list[int]) -> torch.Tensor:
-            return native.ops.block_layer(x, qkv.packed, qkv.out_features, self.gains[0], o_proj.packed,
+            return native.ops.block_layer(x, qkv.packed, qkv.out_features, self.qkv_bias, self.gains[0], o_proj.packed,
                                           gate_up.packed, down_proj.packed, down_proj.in_features, self.gains[1],
                                           self.norm_eps, self.head_dim, self.q_heads, self.kv_heads, cos,
                                           signed_sin, keys, values, lengths, self.scaling)
@@ -209,7 +215,8 @@ class BlockLlamaLayer(RowwiseLlamaLayer):
 
     def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
         # The kernel itself: a module call's hooks cost more than nothing 30 times a step.
-        return native.ops.block_linear(x, self.qkv.packed, self.qkv.out_features, self.gains[0], self.norm_eps)
+        projected = native.ops.block_linear(x, self.qkv.packed, self.qkv.out_features, self.gains[0], self.norm_eps)
+        return projected if self.qkv_bias is None else projected.add_(self.qkv_bias)
 
     def mlp_residual(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         return native.ops.block_mlp_residual(x, attended, self.o_proj.packed, self.gate_up.packed,
@@ -225,6 +232,7 @@ class BlockStack:
         first = layers[0]
         self.first = first
         self.qkv = [layer.qkv.packed for layer in layers]
+        self.qkv_biases = [layer.qkv_bias for layer in layers if layer.qkv_bias is not None]
         self.input_gains = [layer.gains[0] for layer in layers]
         self.o_proj = [layer.o_proj.packed for layer in layers]
         self.gate_up = [layer.gate_up.packed for layer in layers]
@@ -238,13 +246,26 @@ class BlockStack:
         rows, length = x.shape[:2]
 
         def layers(keys: list[torch.Tensor], values: list[torch.Tensor], lengths: list[int]) -> torch.Tensor:
-            return native.ops.block_layers(x, self.qkv, first.qkv.out_features, self.input_gains, self.o_proj,
+            return native.ops.block_layers(x, self.qkv, first.qkv.out_features, self.qkv_biases, self.input_gains,
+                                           self.o_proj,
                                            self.gate_up, self.down_proj, first.down_proj.in_features,
                                            self.post_gains, first.norm_eps, first.head_dim, first.q_heads,
                                            first.kv_heads, cos, signed_sin, keys, values, lengths, first.scaling)
 
         shape = x.new_empty(()).expand(rows, first.kv_heads, length, first.head_dim)
         return attend_layers(cache.layers, shape, layers)
+
+
+def holds(block: BlockLinear, expected: torch.Tensor) -> bool:
+    """Whether `block` holds the weights `expected` ([out, in]): bit for bit where it took the file's blocks as
+    they are; within what transcoding rounds otherwise (worker/weights/transcode.py: half an 8-bit step of a
+    block's largest weight, or a float16 scale's last bit), per row, which a row or block taken from the wrong
+    place far exceeds."""
+    weights = block.dequantized()
+    if block.exact:
+        return torch.equal(weights, expected)
+    bound = expected.abs().amax(dim=1, keepdim=True) * transcode.TOLERANCE + 1e-12
+    return bool(((weights - expected).abs() <= bound).all())
 
 
 def _llama_rows(n: int, heads: int) -> np.ndarray:
@@ -259,10 +280,11 @@ def quantize_blocks(model: PreTrainedModel, path: str) -> int:
     very weights the model was loaded with (checked, so that a file and a model that differ fail here, with
     BlockError, and nothing is replaced)."""
     if not plain_llama(model) or model.dtype != torch.float32:
-        raise BlockError("GGUF blocks serve a plain float32 Llama only")
+        raise BlockError("GGUF blocks serve a float32 Llama-shaped model only (Llama, Mistral, Qwen 2)")
     tensors = read_tensors(path)
     config = model.config
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    interleaved = isinstance(model, LlamaForCausalLM)
 
     def linear(names: list[str], modules: list[nn.Linear], rows: list[np.ndarray | None] | None = None) -> BlockLinear:
         missing = [name for name in names if name not in tensors]
@@ -270,17 +292,18 @@ def quantize_blocks(model: PreTrainedModel, path: str) -> int:
             raise BlockError(f"{os.path.basename(path)} has no {', '.join(missing)}")
         block = BlockLinear([tensors[name] for name in names], rows)
         expected = torch.cat([m.weight.detach() for m in modules])
-        if block.out_features != expected.shape[0] or not torch.equal(block.dequantized(), expected):
+        if block.out_features != expected.shape[0] or not holds(block, expected):
             raise BlockError(f"{', '.join(names)} do not hold the model's weights")
         return block
 
     layers = []
     for i, layer in enumerate(model.model.layers):
         attn, mlp, blk = layer.self_attn, layer.mlp, f"blk.{i}."
+        # llama.cpp's converter interleaves a Llama's q and k rows (not Qwen 2's, whose rotation is NeoX's)
+        rows = ([_llama_rows(attn.q_proj.out_features, heads), _llama_rows(attn.k_proj.out_features, kv_heads), None]
+                if interleaved else None)
         qkv = linear([blk + "attn_q.weight", blk + "attn_k.weight", blk + "attn_v.weight"],
-                     [attn.q_proj, attn.k_proj, attn.v_proj],
-                     [_llama_rows(attn.q_proj.out_features, heads), _llama_rows(attn.k_proj.out_features, kv_heads),
-                      None])
+                     [attn.q_proj, attn.k_proj, attn.v_proj], rows)
         layers.append(BlockLlamaLayer(layer, qkv, linear([blk + "attn_output.weight"], [attn.o_proj]),
                                       linear([blk + "ffn_gate.weight", blk + "ffn_up.weight"],
                                              [mlp.gate_proj, mlp.up_proj]),

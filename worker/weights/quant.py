@@ -31,7 +31,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
-from transformers import AttentionInterface, Cache, LlamaForCausalLM, PreTrainedModel
+from transformers import AttentionInterface, Cache, LlamaForCausalLM, PreTrainedModel, Qwen2ForCausalLM
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
@@ -41,6 +41,9 @@ from worker.weights.scripted import EPS
 
 WEIGHT_MAX = 63  # weights: 7 bits, so that fbgemm's int16 pair sums cannot saturate (see above)
 ROWWISE_ATTENTION = "llmserve_rowwise_sdpa"
+# Rotary types whose cos and sin depend on the position alone (`dynamic`'s and `longrope`'s change with the
+# forward's length, which would make a row's result depend on its batch).
+POSITIONAL_ROPE = ("default", "linear", "llama3", "yarn")
 
 
 def supported() -> bool:
@@ -252,8 +255,8 @@ class Int8LlamaLayer(RowwiseLlamaLayer):
     def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
         """The normed tokens' fused q, k and v projections ([tokens, width] in)."""
         if self.native:
-            return native.ops.int8_linear(x, self.qkv.weight, None, self.norm_eps)
-        return scripted.normed_linear(x, self.qkv.packed, self.gains[0], self.norm_eps)
+            return native.ops.int8_linear(x, self.qkv.weight, self.qkv.bias, self.norm_eps)
+        return scripted.normed_linear(x, self.qkv.packed, self.gains[0], self.norm_eps, self.qkv.bias)
 
     def mlp_residual(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """The layer after attention: x + o_proj(attended), then the MLP of its norm and that residual."""
@@ -284,10 +287,18 @@ def rotary_factors(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def plain_llama(model: nn.Module) -> bool:
-    """A plain Llama: SiLU MLP, no biases, default rotary embedding (what Int8LlamaLayer computes)."""
+    """A Llama-shaped decoder (what Int8LlamaLayer computes): Llama without biases, or Qwen 2's (Qwen 2 and 2.5),
+    which is Llama with biases on q, k and v, without its sliding window; a SiLU MLP; a rotary embedding that
+    depends on the position alone (the cos and sin the model's own rotary embedding gives each position)."""
     config = getattr(model, "config", None)
-    return (isinstance(model, LlamaForCausalLM) and config.hidden_act == "silu" and not config.mlp_bias
-            and not config.attention_bias and (config.rope_parameters or {}).get("rope_type") == "default")
+    if isinstance(model, LlamaForCausalLM):
+        shape = not config.mlp_bias and not config.attention_bias
+    elif isinstance(model, Qwen2ForCausalLM):
+        shape = "sliding_attention" not in (config.layer_types or [])
+    else:
+        return False
+    return (shape and config.hidden_act == "silu"
+            and (config.rope_parameters or {}).get("rope_type") in POSITIONAL_ROPE)
 
 
 def takes_blocks_together(model: nn.Module) -> bool:

@@ -88,6 +88,9 @@ def _rotate_heads(v_proj: nn.Linear, o_proj: nn.Linear, h: torch.Tensor) -> None
     head_dim = h.shape[0]
     values = v_proj.weight.detach().double()
     _set(v_proj, (h.T @ values.view(-1, head_dim, values.shape[-1])).reshape(values.shape))
+    if v_proj.bias is not None:  # Qwen 2's: the bias is part of each head's output
+        bias = v_proj.bias.detach().double().view(-1, head_dim, 1)
+        v_proj.bias = nn.Parameter((h.T @ bias).reshape(-1).to(v_proj.bias.dtype), requires_grad=False)
     out = o_proj.weight.detach().double()
     _set(o_proj, (out.view(out.shape[0], -1, head_dim) @ h).reshape(out.shape))
 

@@ -40,15 +40,15 @@ def int8_linear(x: Tensor, packed: Packed, bias: Tensor | None, norm_eps: float 
     return out if dtype == torch.float32 else out.to(dtype)
 
 
-def normed_linear(x: Tensor, packed: Packed, gain: Tensor | None, eps: float) -> Tensor:
-    """The int8 product of RMSNorm(x): folded into the call when the gain is 1 (`gain` None: a rotated
+def normed_linear(x: Tensor, packed: Packed, gain: Tensor | None, eps: float, bias: Tensor | None = None) -> Tensor:
+    """The int8 product of RMSNorm(x) (+ bias): folded into the call when the gain is 1 (`gain` None: a rotated
     model's, worker/weights/rotation.py), else as transformers' LlamaRMSNorm computes it."""
     if gain is None:
-        return int8_linear(x, packed, None, eps)
+        return int8_linear(x, packed, bias, eps)
     dtype = x.dtype
     wide = x.to(torch.float32)
     normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
-    return int8_linear(gain * normed.to(dtype), packed, None, None)
+    return int8_linear(gain * normed.to(dtype), packed, bias, None)
 
 
 def heads(qkv: Tensor, rows: int, length: int, head_dim: int, q_heads: int, kv_heads: int, cos: Tensor,
