@@ -14,7 +14,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import quants
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from common.settings import Settings
 from tests.conftest import native_kernels
@@ -24,7 +32,8 @@ from worker.hf.model import load_model
 from worker.prompts import bundled_gguf
 from worker.weights import transcode
 from worker.weights.blocks import BlockError, BlockLinear, BlockLlamaLayer, FileTensor, quantize_blocks, read_tensors
-from worker.weights.quant import Int8LlamaLayer, plain_llama, quantize_int8
+from worker.weights.from_file import FileEmbedding
+from worker.weights.quant import Int8LlamaLayer, RowwiseLlamaLayer, plain_llama, quantize_int8
 from worker.weights.rope import FACTORS, take_file_factors
 
 native_kernels()
@@ -147,15 +156,23 @@ def test_llama_3_s_rotary_scaling_is_taken_from_the_file() -> None:
     assert plain_llama(llama3)  # a position-only rotary type: the int8 and block paths take it
 
 
-def tiny_qwen2() -> Qwen2ForCausalLM:
+def tiny_qwen(version: int) -> PreTrainedModel:
+    """Qwen 2's shape with biases on q, k and v that matter, or Qwen 3's with gains on its query and key head norms
+    that matter (and a head width of its own, as Qwen 3's configs set it)."""
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    model = Qwen2ForCausalLM(config).eval()
+    shape = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, tie_word_embeddings=False)
+    model = (Qwen2ForCausalLM(Qwen2Config(**shape)) if version == 2
+             else Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=64))).eval()
     with torch.no_grad():
         for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0, 0.5)  # biases that matter
+            attn = layer.self_attn
+            if version == 2:
+                for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+            else:
+                attn.q_norm.weight.uniform_(0.2, 3.0)
+                attn.k_norm.weight.uniform_(0.2, 3.0)
     return model
 
 
@@ -175,8 +192,9 @@ def float_logits(model: PreTrainedModel, ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits[:, -3:]
 
 
-def test_qwen_2_s_biases_run_on_int8() -> None:
-    model = tiny_qwen2()
+@pytest.mark.parametrize("version", [2, 3])
+def test_qwen_s_biases_and_head_norms_run_on_int8(version: int) -> None:
+    model = tiny_qwen(version)
     ids = torch.randint(0, 512, (2, 12))
     want = float_logits(model, ids)
     quantize_int8(model, native=True)
@@ -184,19 +202,39 @@ def test_qwen_2_s_biases_run_on_int8() -> None:
     assert F.cosine_similarity(ragged_logits(model, ids), want, dim=-1).min() > 0.99
 
 
-def test_qwen_2_s_biases_run_on_the_blocks(tmp_path: Path) -> None:
-    """A Qwen 2 file (Q8_0, q and k in the file's own row order: NeoX rotation, nothing interleaved) on the blocks,
-    the compiled layer stack adding the biases, against float32 of the same weights."""
-    model = tiny_qwen2()
-    path, names = tmp_path / "qwen2.gguf", {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v",
-                                            "o_proj": "attn_output", "gate_proj": "ffn_gate", "up_proj": "ffn_up",
-                                            "down_proj": "ffn_down"}
-    writer = gguf.GGUFWriter(str(path), "qwen2")
+@pytest.mark.parametrize("version", [2, 3])
+def test_qwen_s_biases_and_head_norms_run_on_the_blocks(tmp_path: Path, version: int) -> None:
+    """A Qwen file (Q8_0, q and k in the file's own row order: NeoX rotation, nothing interleaved) on the blocks,
+    the compiled layer stack adding the biases or norming the heads, against float32 of the same weights; and the
+    same tokens through the layers' general path (a dozen calls a layer) as through the stack in one call."""
+    model = tiny_qwen(version)
+    write_q8_file(model, tmp_path / "qwen.gguf", f"qwen{version}")
+    ids = torch.randint(0, 512, (2, 12))
+    want = float_logits(model, ids)
+    quantize_blocks(model, str(tmp_path / "qwen.gguf"))
+    layers = model.model.layers
+    assert all(isinstance(layer, BlockLlamaLayer) for layer in layers)
+    assert all((layer.qkv_bias is not None, len(layer.head_norms)) == (version == 2, 0 if version == 2 else 2)
+               for layer in layers)
+    got = ragged_logits(model, ids)
+    assert F.cosine_similarity(got, want, dim=-1).min() > 0.999
+    general = [RowwiseLlamaLayer.forward_parts.__get__(layer) for layer in layers]
+    for layer, forward in zip(layers, general, strict=True):
+        layer.forward_parts, layer.stack = forward, None  # the Python path, one layer at a time
+    assert torch.allclose(ragged_logits(model, ids), got, atol=1e-4)
+
+
+def write_q8_file(model: PreTrainedModel, path: Path, arch: str) -> None:
+    """The model's matrices as a GGUF file's Q8_0 tensors, by llama.cpp's names (the file holds nothing else: the
+    blocks read only its tensors); the model takes the file's (rounded) weights."""
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    writer = gguf.GGUFWriter(str(path), arch)
 
     def put(name: str, linear: torch.nn.Linear) -> None:
         rows = quants.quantize(linear.weight.detach().numpy(), T.Q8_0)
         writer.add_tensor(name, rows, raw_dtype=T.Q8_0)
-        linear.weight.data = torch.from_numpy(quants.dequantize(rows, T.Q8_0).copy())  # the file's weights
+        linear.weight.data = torch.from_numpy(quants.dequantize(rows, T.Q8_0).copy())
 
     for i, layer in enumerate(model.model.layers):
         for module in (layer.self_attn, layer.mlp):
@@ -208,8 +246,19 @@ def test_qwen_2_s_biases_run_on_the_blocks(tmp_path: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    ids = torch.randint(0, 512, (2, 12))
-    want = float_logits(model, ids)
-    quantize_blocks(model, str(path))
-    assert all(isinstance(layer, BlockLlamaLayer) and layer.qkv_bias is not None for layer in model.model.layers)
-    assert F.cosine_similarity(ragged_logits(model, ids), want, dim=-1).min() > 0.999
+
+
+def test_the_model_built_from_its_file_alone_gives_the_bits_of_transformers_model_on_the_blocks() -> None:
+    """WORKER_QUANT=auto builds a GGUF model on the meta device and reads only the file (no float32 copy of the
+    model): the same logits, bit for bit, as transformers' own loading with the blocks put in after."""
+    lean = load_model(Settings(worker_threads=1))
+    assert lean.weights == "gguf" and isinstance(lean.model.model.embed_tokens, FileEmbedding)
+    assert not any(t.is_meta for t in [*lean.model.parameters(), *lean.model.buffers()])
+    full = load_model(Settings(worker_threads=1, worker_quant="none"))
+    quantize_blocks(full.model, bundled_gguf())
+    assert (lean.eos_token_ids, lean.max_length) == (full.eos_token_ids, full.max_length)
+    ids = torch.randint(100, 5000, (2, 14))
+    got, want = ragged_logits(lean.model, ids), ragged_logits(full.model, ids)
+    assert torch.equal(got, want)
+    with torch.inference_mode():
+        assert torch.equal(lean.model(ids).logits, full.model(ids).logits)  # transformers' forward too

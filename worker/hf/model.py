@@ -8,12 +8,12 @@ import inspect
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from common.settings import Settings
 from worker.hf.grammar import Grammars
 from worker.prompts import Prompts, end_tokens, gguf_path, source
-from worker.weights import blocks, paths, quant, rope
+from worker.weights import paths, quant
 
 
 @dataclass
@@ -91,10 +91,7 @@ def load_model(settings: Settings) -> LoadedModel:
     # Before the slow part, so that a bad value fails at once.
     chosen = paths.choose(settings.worker_quant, device, gguf_file, quant.supported())
     tokenizer = AutoTokenizer.from_pretrained(path, **extra)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra).to(device).eval()
-    if gguf_file:
-        rope.take_file_factors(model, blocks.read_tensors(gguf_file))  # Llama 3's scaling (rope.py)
-    taken = paths.apply(model, chosen, settings, gguf_file)
+    model, taken = paths.load(settings, chosen, path, extra, device, dtype, gguf_file)
     eos_ids = end_tokens(model.generation_config.eos_token_id, tokenizer)
     max_length = getattr(model.config, "max_position_embeddings", None) or tokenizer.model_max_length
     return LoadedModel(settings.model, model, tokenizer, device, int(max_length), eos_ids, taken)

@@ -572,8 +572,23 @@ at::Tensor block_mlp_residual(const at::Tensor& x, const at::Tensor& attended, c
 // [rows, length, width] through RMSNorm and the fused q, k, v product, the rotary heads, the cache write and each
 // row's attention, then o_proj, the MLP and both residuals. The same calls in the same order as the layer's
 // Python forward (worker/weights/quant.py), so the same bits.
+// Qwen 3's RMSNorm of each query and key head before the rotation, in place on the fused projection [tokens, n]:
+// `gains` empty (no such norms) or the query heads' gain and the key heads'. transformers' arithmetic: x times the
+// reciprocal root of its mean square plus eps, times the gain.
+void norm_heads(const at::Tensor& projected, at::TensorList gains, int64_t head_dim, int64_t q_heads, int64_t kv_heads,
+                double eps) {
+  if (gains.empty()) return;
+  TORCH_CHECK(gains.size() == 2, "llmserve::block_layer: a query heads' gain and a key heads' gain, or none");
+  const int64_t starts[2] = {0, q_heads * head_dim}, heads[2] = {q_heads, kv_heads};
+  for (int i = 0; i < 2; ++i) {
+    at::Tensor h = projected.narrow(1, starts[i], heads[i] * head_dim).unflatten(1, {heads[i], head_dim});
+    h.mul_(h.pow(2).mean(-1, true).add_(eps).rsqrt_()).mul_(gains[i]);
+  }
+}
+
 at::Tensor block_layer(const at::Tensor& x, const at::Tensor& qkv, int64_t qkv_n,
-                       const std::optional<at::Tensor>& qkv_bias, const at::Tensor& input_gain,
+                       const std::optional<at::Tensor>& qkv_bias, at::TensorList head_norms,
+                       const at::Tensor& input_gain,
                        const at::Tensor& o_proj, const at::Tensor& gate_up, const at::Tensor& down_proj, int64_t inner,
                        const at::Tensor& post_gain, double eps, int64_t head_dim, int64_t q_heads, int64_t kv_heads,
                        const at::Tensor& cos, const at::Tensor& signed_sin, at::TensorList key_buffers,
@@ -583,6 +598,7 @@ at::Tensor block_layer(const at::Tensor& x, const at::Tensor& qkv, int64_t qkv_n
   const at::Tensor flat = x.contiguous().view({rows * length, width});
   at::Tensor projected = block_linear(flat, qkv, qkv_n, input_gain, eps);
   if (qkv_bias) projected.add_(*qkv_bias);  // Qwen 2's biases on q, k and v
+  norm_heads(projected, head_norms, head_dim, q_heads, kv_heads, eps);
   auto [query, key, value] =
       llmserve::rotary_heads(projected, rows, length, head_dim, q_heads, kv_heads, cos, signed_sin);
   const at::Tensor attended =
@@ -596,7 +612,7 @@ at::Tensor block_layer(const at::Tensor& x, const at::Tensor& qkv, int64_t qkv_n
 // l's weights and its rows' buffers (key_buffers and value_buffers hold every layer's rows, layer after layer). The
 // same calls in the same order, so the same bits as the layers called one by one.
 at::Tensor block_layers(const at::Tensor& x, at::TensorList qkv, int64_t qkv_n, at::TensorList qkv_biases,
-                        at::TensorList input_gains,
+                        at::TensorList head_norms, at::TensorList input_gains,
                         at::TensorList o_proj, at::TensorList gate_up, at::TensorList down_proj, int64_t inner,
                         at::TensorList post_gains, double eps, int64_t head_dim, int64_t q_heads, int64_t kv_heads,
                         const at::Tensor& cos, const at::Tensor& signed_sin, at::TensorList key_buffers,
@@ -606,13 +622,16 @@ at::Tensor block_layers(const at::Tensor& x, at::TensorList qkv, int64_t qkv_n, 
     TORCH_CHECK(weights.size() == layers, "llmserve::block_layers: one of each weight a layer");
   }
   TORCH_CHECK(qkv_biases.empty() || qkv_biases.size() == layers, "llmserve::block_layers: a bias a layer, or none");
+  TORCH_CHECK(head_norms.empty() || head_norms.size() == 2 * layers,
+              "llmserve::block_layers: two head norms a layer, or none");
   TORCH_CHECK(key_buffers.size() == layers * rows && value_buffers.size() == layers * rows,
               "llmserve::block_layers: each layer's buffers for every row");
   at::Tensor hidden = x;
   for (size_t l = 0; l < layers; ++l) {
     const std::optional<at::Tensor> bias =
         qkv_biases.empty() ? std::nullopt : std::optional<at::Tensor>(qkv_biases[l]);
-    hidden = block_layer(hidden, qkv[l], qkv_n, bias, input_gains[l], o_proj[l], gate_up[l], down_proj[l], inner,
+    const at::TensorList norms = head_norms.empty() ? head_norms : head_norms.slice(2 * l, 2);
+    hidden = block_layer(hidden, qkv[l], qkv_n, bias, norms, input_gains[l], o_proj[l], gate_up[l], down_proj[l], inner,
                          post_gains[l], eps, head_dim, q_heads, kv_heads, cos, signed_sin,
                          key_buffers.slice(l * rows, rows), value_buffers.slice(l * rows, rows), lengths, scaling);
   }
@@ -627,14 +646,14 @@ TORCH_LIBRARY_FRAGMENT(llmserve, m) {
         "Tensor gain, float eps) -> Tensor",
         &block_mlp_residual);
   m.def("block_isa(int most) -> int", &block_isa);
-  m.def("block_layer(Tensor x, Tensor qkv, int qkv_n, Tensor? qkv_bias, Tensor input_gain, Tensor o_proj, "
-        "Tensor gate_up, Tensor down_proj, int inner, Tensor post_gain, float eps, int head_dim, int q_heads, int kv_heads, "
-        "Tensor cos, Tensor signed_sin, Tensor[] key_buffers, Tensor[] value_buffers, int[] lengths, float scaling) "
-        "-> Tensor",
+  m.def("block_layer(Tensor x, Tensor qkv, int qkv_n, Tensor? qkv_bias, Tensor[] head_norms, Tensor input_gain, "
+        "Tensor o_proj, Tensor gate_up, Tensor down_proj, int inner, Tensor post_gain, float eps, int head_dim, "
+        "int q_heads, int kv_heads, Tensor cos, Tensor signed_sin, Tensor[] key_buffers, Tensor[] value_buffers, "
+        "int[] lengths, float scaling) -> Tensor",
         &block_layer);
-  m.def("block_layers(Tensor x, Tensor[] qkv, int qkv_n, Tensor[] qkv_biases, Tensor[] input_gains, "
-        "Tensor[] o_proj, Tensor[] gate_up, Tensor[] down_proj, int inner, Tensor[] post_gains, float eps, int head_dim, int q_heads, int kv_heads, "
-        "Tensor cos, Tensor signed_sin, Tensor[] key_buffers, Tensor[] value_buffers, int[] lengths, float scaling) "
-        "-> Tensor",
+  m.def("block_layers(Tensor x, Tensor[] qkv, int qkv_n, Tensor[] qkv_biases, Tensor[] head_norms, "
+        "Tensor[] input_gains, Tensor[] o_proj, Tensor[] gate_up, Tensor[] down_proj, int inner, "
+        "Tensor[] post_gains, float eps, int head_dim, int q_heads, int kv_heads, Tensor cos, Tensor signed_sin, "
+        "Tensor[] key_buffers, Tensor[] value_buffers, int[] lengths, float scaling) -> Tensor",
         &block_layers);
 }

@@ -195,10 +195,11 @@ class BlockLlamaLayer(RowwiseLlamaLayer):
         qkv, o_proj, gate_up, down_proj = self.qkv, self.o_proj, self.gate_up, self.down_proj
 
         def layer(keys: list[torch.Tensor], values: list[torch.Tensor], lengths: list[int]) -> torch.Tensor:
-            return native.ops.block_layer(x, qkv.packed, qkv.out_features, self.qkv_bias, self.gains[0], o_proj.packed,
-                                          gate_up.packed, down_proj.packed, down_proj.in_features, self.gains[1],
-                                          self.norm_eps, self.head_dim, self.q_heads, self.kv_heads, cos,
-                                          signed_sin, keys, values, lengths, self.scaling)
+            return native.ops.block_layer(x, qkv.packed, qkv.out_features, self.qkv_bias, self.head_norms,
+                                          self.gains[0], o_proj.packed, gate_up.packed, down_proj.packed,
+                                          down_proj.in_features, self.gains[1], self.norm_eps, self.head_dim,
+                                          self.q_heads, self.kv_heads, cos, signed_sin, keys, values, lengths,
+                                          self.scaling)
 
         return [cache.attend_with(x.new_empty(()).expand(rows, self.kv_heads, length, self.head_dim), layer)]
 
@@ -233,6 +234,7 @@ class BlockStack:
         self.first = first
         self.qkv = [layer.qkv.packed for layer in layers]
         self.qkv_biases = [layer.qkv_bias for layer in layers if layer.qkv_bias is not None]
+        self.head_norms = [gain for layer in layers for gain in layer.head_norms]
         self.input_gains = [layer.gains[0] for layer in layers]
         self.o_proj = [layer.o_proj.packed for layer in layers]
         self.gate_up = [layer.gate_up.packed for layer in layers]
@@ -246,8 +248,8 @@ class BlockStack:
         rows, length = x.shape[:2]
 
         def layers(keys: list[torch.Tensor], values: list[torch.Tensor], lengths: list[int]) -> torch.Tensor:
-            return native.ops.block_layers(x, self.qkv, first.qkv.out_features, self.qkv_biases, self.input_gains,
-                                           self.o_proj,
+            return native.ops.block_layers(x, self.qkv, first.qkv.out_features, self.qkv_biases, self.head_norms,
+                                           self.input_gains, self.o_proj,
                                            self.gate_up, self.down_proj, first.down_proj.in_features,
                                            self.post_gains, first.norm_eps, first.head_dim, first.q_heads,
                                            first.kv_heads, cos, signed_sin, keys, values, lengths, first.scaling)
@@ -274,14 +276,15 @@ def _llama_rows(n: int, heads: int) -> np.ndarray:
     return np.arange(n).reshape(heads, n // heads // 2, 2).swapaxes(2, 1).reshape(n)
 
 
-def quantize_blocks(model: PreTrainedModel, path: str) -> int:
-    """Replace a plain Llama's decoder layers by `BlockLlamaLayer`s and its lm_head by a `BlockLinear`, over
-    the GGUF file at `path`'s blocks, in place; returns how many matrices. Each matrix's blocks must hold the
-    very weights the model was loaded with (checked, so that a file and a model that differ fail here, with
-    BlockError, and nothing is replaced)."""
+def quantize_blocks(model: PreTrainedModel, path: str, tensors: dict[str, FileTensor] | None = None) -> int:
+    """Replace a Llama-shaped model's decoder layers by `BlockLlamaLayer`s and its lm_head by a `BlockLinear`, over
+    the GGUF file at `path`'s blocks (`tensors`, where they are read already), in place; returns how many
+    matrices. Each matrix's blocks must hold the very weights the model was loaded with (checked, so that a file
+    and a model that differ fail here, with BlockError, and nothing is replaced), unless the model was made
+    without them (on the meta device: worker/weights/from_file.py)."""
     if not plain_llama(model) or model.dtype != torch.float32:
-        raise BlockError("GGUF blocks serve a float32 Llama-shaped model only (Llama, Mistral, Qwen 2)")
-    tensors = read_tensors(path)
+        raise BlockError("GGUF blocks serve a float32 Llama-shaped model only (Llama, Mistral, Qwen 2 and 3)")
+    tensors = tensors if tensors is not None else read_tensors(path)
     config = model.config
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     interleaved = isinstance(model, LlamaForCausalLM)
@@ -291,15 +294,17 @@ def quantize_blocks(model: PreTrainedModel, path: str) -> int:
         if missing:
             raise BlockError(f"{os.path.basename(path)} has no {', '.join(missing)}")
         block = BlockLinear([tensors[name] for name in names], rows)
-        expected = torch.cat([m.weight.detach() for m in modules])
-        if block.out_features != expected.shape[0] or not holds(block, expected):
+        rows_wanted = sum(m.out_features for m in modules)
+        if block.out_features != rows_wanted:
+            raise BlockError(f"{', '.join(names)} have {block.out_features} rows where the model has {rows_wanted}")
+        if not modules[0].weight.is_meta and not holds(block, torch.cat([m.weight.detach() for m in modules])):
             raise BlockError(f"{', '.join(names)} do not hold the model's weights")
         return block
 
     layers = []
     for i, layer in enumerate(model.model.layers):
         attn, mlp, blk = layer.self_attn, layer.mlp, f"blk.{i}."
-        # llama.cpp's converter interleaves a Llama's q and k rows (not Qwen 2's, whose rotation is NeoX's)
+        # llama.cpp's converter interleaves a Llama's q and k rows (not Qwen's, whose rotation is NeoX's)
         rows = ([_llama_rows(attn.q_proj.out_features, heads), _llama_rows(attn.k_proj.out_features, kv_heads), None]
                 if interleaved else None)
         qkv = linear([blk + "attn_q.weight", blk + "attn_k.weight", blk + "attn_v.weight"],

@@ -8,10 +8,10 @@ import ctypes.util
 import logging
 
 import torch
-from transformers import PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from common.settings import Settings
-from worker.weights import blocks, native, quant
+from worker.weights import blocks, from_file, native, quant, rope
 
 log = logging.getLogger("worker")
 
@@ -35,14 +35,53 @@ def choose(setting: str, device: torch.device, gguf_file: str | None, int8_suppo
     return "gguf" if gguf_file else "int8" if int8_supported else "none"
 
 
+def load(settings: Settings, chosen: str, source: str, extra: dict[str, str], device: torch.device,
+         dtype: torch.dtype, gguf_file: str | None) -> tuple[PreTrainedModel, str]:
+    """The model on its path (choose's answer), and the path it took. The GGUF blocks build the model from the file
+    alone (worker/weights/from_file.py); every other path, and the blocks' fallback, loads transformers' model."""
+    if chosen == "gguf":
+        model = _model_on_blocks(settings, source, extra, dtype, gguf_file)
+        if model is not None:
+            _return_freed_memory()
+            return model, "gguf"
+        chosen = "int8" if quant.supported() else "none"
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **extra).to(device).eval()
+    if gguf_file:
+        rope.take_file_factors(model, blocks.read_tensors(gguf_file))  # Llama 3's scaling (worker/weights/rope.py)
+    return model, apply(model, chosen, settings, gguf_file)
+
+
+def _model_on_blocks(settings: Settings, source: str, extra: dict[str, str], dtype: torch.dtype,
+                     gguf_file: str | None) -> PreTrainedModel | None:
+    """The model on the file's blocks; None where they cannot serve it and WORKER_QUANT=auto (a warning says why),
+    ValueError where WORKER_QUANT=gguf asked for them."""
+    try:
+        if not native.load(settings.worker_native):
+            raise blocks.BlockError(f"the compiled kernels are not loaded (WORKER_NATIVE={settings.worker_native})")
+        _log_kernels(settings)
+        if dtype != torch.float32:
+            raise blocks.BlockError(f"the kernels take float32, and WORKER_DTYPE is {settings.worker_dtype}")
+        return from_file.load(AutoConfig.from_pretrained(source, **extra), gguf_file)
+    except blocks.BlockError as error:
+        if settings.worker_quant == "gguf":
+            raise ValueError(f"WORKER_QUANT=gguf: {error}") from error
+        log.warning("the GGUF file's own blocks cannot serve",
+                    extra={"error": str(error), "quant": "int8" if quant.supported() else "none"})
+        return None
+
+
+def _log_kernels(settings: Settings) -> None:
+    blocks_level, attention_level = native.cap(settings.worker_isa)
+    log.info("kernels", extra={"isa": settings.worker_isa, "blocks_level": blocks_level,
+                               "attention_level": attention_level})
+
+
 def apply(model: PreTrainedModel, path: str, settings: Settings, gguf_file: str | None) -> str:
     """Put the model on `path` (choose's answer); returns the path it took. Where `auto` chose the blocks and they
     cannot serve (no kernels, a file of other block types), int8, with a warning that says why."""
     kernels = path != "none" and native.load(settings.worker_native)
     if kernels:
-        blocks_level, attention_level = native.cap(settings.worker_isa)
-        log.info("kernels", extra={"isa": settings.worker_isa, "blocks_level": blocks_level,
-                                   "attention_level": attention_level})
+        _log_kernels(settings)
     if path == "gguf":
         path = _take_blocks(model, settings, kernels, gguf_file)
     if path == "int8":

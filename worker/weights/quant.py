@@ -31,9 +31,11 @@ from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
-from transformers import AttentionInterface, Cache, LlamaForCausalLM, PreTrainedModel, Qwen2ForCausalLM
+from transformers import AttentionInterface, Cache, LlamaForCausalLM, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+from transformers.models.qwen2 import Qwen2ForCausalLM
+from transformers.models.qwen3 import Qwen3ForCausalLM
 
 from worker.weights import native, scripted
 from worker.weights.rotation import InputRotation, rotate_residual
@@ -171,6 +173,9 @@ class RowwiseLlamaLayer(nn.Module):
         self.input_layernorm, self.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
         self.norm_eps = self.input_layernorm.variance_epsilon
         self.native = native  # worker/weights/native.cpp's heads and attention
+        # Qwen 3's RMSNorm of each query and key head before the rotation (its eps is the layers'): [] for none.
+        norms = [getattr(attn, name, None) for name in ("q_norm", "k_norm")]
+        self.head_norms = [n.weight.detach().float().contiguous() for n in norms] if norms[0] is not None else []
 
     def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
         """The normed tokens' fused q, k and v projections ([tokens, width] in)."""
@@ -215,6 +220,7 @@ class RowwiseLlamaLayer(nn.Module):
                 mask: torch.Tensor | None, cache: Cache | None) -> torch.Tensor:
         """Attention of one part, from its fused projections ([rows * length, (q + 2 kv heads) * head_dim])."""
         heads = native.ops.heads if self.native else scripted.heads
+        norm_heads(qkv, self.head_norms, self.head_dim, self.q_heads, self.kv_heads, self.norm_eps)
         query, key, value = heads(qkv, rows, length, self.head_dim, self.q_heads, self.kv_heads, cos, signed_sin)
         if self.native and cache is not None and attending(cache.layers[self.layer_idx]):
             # A ragged row has no padding: token i of the part sees its row's cache and the part up to i, which
@@ -269,6 +275,15 @@ class Int8LlamaLayer(RowwiseLlamaLayer):
                                      self.gains[1], self.norm_eps, rotation)
 
 
+def norm_heads(qkv: torch.Tensor, gains: list[torch.Tensor], head_dim: int, q_heads: int, kv_heads: int,
+               eps: float) -> None:
+    """Qwen 3's RMSNorm of each query and key head, in place on the fused projection ([tokens, n]), as blocks.cpp's
+    norm_heads and transformers compute it; nothing where `gains` is empty."""
+    for gain, start, heads in zip(gains, (0, q_heads * head_dim), (q_heads, kv_heads), strict=False):
+        h = qkv.narrow(1, start, heads * head_dim).unflatten(1, (heads, head_dim))
+        h.mul_(h.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()).mul_(gain)
+
+
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
@@ -287,14 +302,16 @@ def rotary_factors(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def plain_llama(model: nn.Module) -> bool:
-    """A Llama-shaped decoder (what Int8LlamaLayer computes): Llama without biases, or Qwen 2's (Qwen 2 and 2.5),
-    which is Llama with biases on q, k and v, without its sliding window; a SiLU MLP; a rotary embedding that
-    depends on the position alone (the cos and sin the model's own rotary embedding gives each position)."""
+    """A Llama-shaped decoder (what Int8LlamaLayer computes): Llama without biases; Qwen 2's (Qwen 2 and 2.5),
+    Llama with biases on q, k and v; Qwen 3's, Llama with an RMSNorm on each query and key head; neither Qwen
+    with its sliding window. A SiLU MLP; a rotary embedding that depends on the position alone (the cos and sin
+    the model's own rotary embedding gives each position)."""
     config = getattr(model, "config", None)
     if isinstance(model, LlamaForCausalLM):
         shape = not config.mlp_bias and not config.attention_bias
-    elif isinstance(model, Qwen2ForCausalLM):
-        shape = "sliding_attention" not in (config.layer_types or [])
+    elif isinstance(model, Qwen2ForCausalLM | Qwen3ForCausalLM):
+        shape = ("sliding_attention" not in (config.layer_types or [])
+                 and not getattr(config, "attention_bias", False))
     else:
         return False
     return (shape and config.hidden_act == "silu"
