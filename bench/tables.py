@@ -117,6 +117,22 @@ def vllm_peers(d: dict) -> tuple[str, Table]:
     return head + ("" if d.get("complete", True) else " (cut short)"), table
 
 
+def user_models(d: dict) -> tuple[str, Table]:
+    files = d["files"]
+    levels = [str(r["concurrency"]) for r in next(iter(files.values()))["llmserve_over_llama_server"]]
+    table = [["file", "MB", "path", f"tok/s ratio at c = {slash(levels)}", "TTFT p50 llmserve / llama-server",
+              "RSS (peak) MB llmserve / llama-server"]]
+    for name, f in files.items():
+        ratios, mem = f["llmserve_over_llama_server"], f["memory"]
+        ttft = "; ".join(f"{ms(r['ttft_p50_s']['llmserve'])} / {ms(r['ttft_p50_s']['llama-server'])}" for r in ratios)
+        memory = slash([f"{num(mem[s]['rss_mb'])} ({num(mem[s]['peak_mb'])})" for s in ("llmserve", "llama-server")])
+        table.append([name, str(f["file_mb"]), f["weights_path"], slash([ratio(r["output_tok_s"]) for r in ratios]),
+                      ttft, memory])
+    head = "; ".join(f"{name} **{slash([ratio(r['output_tok_s']) for r in f['llmserve_over_llama_server']])}**"
+                     for name, f in files.items())
+    return f"output tok/s over llama-server's at concurrency {slash(levels)}: {head}", table
+
+
 def prefix_cache(d: dict) -> tuple[str, Table]:
     summary = d["summary"]
     peer = any("llama-server" in figures for figures in summary.values())
@@ -543,6 +559,10 @@ RENDERERS: dict[str, tuple[str, Callable[[dict], tuple[str, Table]]]] = {
     "peers_prompt64": ("the same with 64-token prompts (`--prompt-tokens 64`), issue 29's own workload", peers),
     "vllm_peers": ("the stack with `ENGINE=vllm` against vLLM's own OpenAI server on the same model and engine "
                    "arguments, the own engine beside them", vllm_peers),
+    "user_models": ("llmserve against llama-server (`-t 2 --parallel 16`, 512 tokens of context a slot) on the "
+                    "files users download: the default model requantized by llama-quantize, and random weights in "
+                    "public models' shapes made offline (`bench/user_models.py make`); 12-token prompts, 64 forced "
+                    "tokens", user_models),
     "prefix_cache": ("time to first token with a shared ~1,000-token prefix, the prefix cache on and off",
                      prefix_cache),
     "chunked_prefill": ("inter-token latency of running streams while long prompts arrive (the target: a p99 at most "

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.peers import measure, median_levels, peer_server  # noqa: E402
-from bench.provenance import provenance, results_path, update_results  # noqa: E402
+from bench.provenance import provenance, write_results  # noqa: E402
 from llmserve.launcher import free_port, private_stack  # noqa: E402
 from worker.prompts import bundled_gguf  # noqa: E402
 
@@ -122,6 +122,9 @@ def run(args: argparse.Namespace) -> None:
     names = args.files or sorted(p.name for p in folder.iterdir() if (p / "model.gguf").exists())
     slots, threads = max(args.concurrency), str(args.threads)
     results = {}
+    settings = {"concurrency": args.concurrency, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+                "threads": args.threads, "rounds": args.rounds, "llama_server_slots": slots,
+                "llama_server_context": 512 * slots}
     for name in names:
         gguf = folder / name / "model.gguf"
         rounds: dict[str, list[list[dict]]] = {"llmserve": [], "llama-server": []}
@@ -138,7 +141,7 @@ def run(args: argparse.Namespace) -> None:
             argv = [str(server), "-m", str(gguf), "-t", threads, "-c", str(512 * slots), "--parallel", str(slots),
                     "-cb", "--host", "127.0.0.1", "--port", str(port)]
             with peer_server(argv, dict(os.environ), port, Path(f"/tmp/bench-llama-server-{name}.log")) as url:
-                pid = int(subprocess.check_output(["pgrep", "-n", "-f", f"--port {port}"]).split()[0])
+                pid = int(subprocess.check_output(["pgrep", "-n", "-f", "--", f"--port {port}"]).split()[0])
                 memory_of["llama-server"] = memory(pid)
                 rounds["llama-server"].append(asyncio.run(measure(url, args, f"llama-server {name}")))
                 memory_of["llama-server"]["peak_mb"] = memory(pid)["peak_mb"]
@@ -150,12 +153,7 @@ def run(args: argparse.Namespace) -> None:
         results[name] = {"file_mb": round(gguf.stat().st_size / 1e6), "weights_path": taken, "memory": memory_of,
                          "llmserve_over_llama_server": ratios, "series": series}
         print(json.dumps({name: {k: v for k, v in results[name].items() if k != "series"}}, indent=1), flush=True)
-    out = Path(args.out) if args.out else results_path("user_models")
-    update_results(out, {"benchmark": "user_models", "provenance": started,
-                         "settings": {"concurrency": args.concurrency, "prompt_tokens": args.prompt_tokens,
-                                      "new_tokens": args.new_tokens, "threads": args.threads, "rounds": args.rounds,
-                                      "llama_server_slots": slots, "llama_server_context": 512 * slots},
-                         "files": results})
+        out = write_results("user_models", started, {"settings": settings, "files": results}, args.out)
     print(f"wrote {out}")
 
 

@@ -134,6 +134,7 @@ def test_models_lists_each_name_once_with_its_workers_and_health_gives_each_mode
     listed = {m["id"]: m for m in httpx.get(f"{sim.url}/v1/models").json()["data"]}
     assert sorted(listed) == ["alpha", "beta"]
     assert listed["alpha"]["workers"] == 2 and listed["beta"]["workers"] == 1
+    assert listed["alpha"]["engines"] == ["sim"] and listed["alpha"]["weights"] == ["sim"]  # what serves it
     beta = httpx.get(f"{sim.url}/health", params={"model": "beta"}).json()
     assert beta["model"] == "beta" and beta["workers"] == 1 and beta["slots"] == 8 and beta["waiting"] == 0
     assert httpx.get(f"{sim.url}/health").json()["workers"] == 3

@@ -147,3 +147,5 @@ def test_health_reports_redis_and_live_workers(stack: RunningStack) -> None:
     body = httpx.get(f"{stack.url}/health").json()
     assert body["redis"] is True
     assert body["workers"] == 2
+    served = httpx.get(f"{stack.url}/v1/models").json()["data"][0]
+    assert (served["engines"], served["weights"]) == (["hf"], ["gguf"])  # the default model on its file's blocks

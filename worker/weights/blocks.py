@@ -1,4 +1,5 @@
-"""A GGUF file's own blocks as the CPU worker's weights (`WORKER_QUANT=gguf`, the default for such a file).
+"""A GGUF file's own blocks as the CPU worker's weights (`WORKER_QUANT=gguf`, the default for such a file). Files of
+other block types are taken to these two first (worker/weights/transcode.py).
 
 The default model ships as a GGUF file whose decoder projections are Q4_1 blocks (32 weights of a row: 4-bit
 codes, a float16 scale and minimum) and whose embedding, tied to the lm_head, is Q8_0 (8-bit codes, a scale).

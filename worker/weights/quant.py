@@ -344,10 +344,11 @@ def use_native(model: nn.Module, on: bool) -> None:
 def quantize_int8(model: nn.Module, rotate: bool = True, native: bool = False) -> int:
     """Replace every `nn.Linear` of `model` (for a causal LM: the decoder layers' projections and the
     `lm_head`) by an `Int8Linear`, in place, and switch its attention to `rowwise_sdpa`; returns how many
-    linears. A plain Llama's decoder layers become `Int8LlamaLayer`s, with fused projections, after its
-    residual stream is rotated, and with down_proj's input rotated (worker/weights/rotation.py), unless not
-    `rotate`. The embedding lookup stays float, also when `lm_head` is tied to it. With `native`, the layers
-    call native.cpp's kernels (which native.py must have loaded). Call it once the model is on the CPU."""
+    linears. A Llama-shaped model's decoder layers (`plain_llama`) become `Int8LlamaLayer`s, with fused
+    projections, after its residual stream is rotated, and with down_proj's input rotated
+    (worker/weights/rotation.py), unless not `rotate`. The embedding lookup stays float, also when `lm_head` is
+    tied to it. With `native`, the layers call native.cpp's kernels (which native.py must have loaded). Call it
+    once the model is on the CPU."""
     if not supported():
         raise RuntimeError("int8 needs torch's fbgemm engine, which this torch build lacks (x86 builds have it)")
     linears = _linears(model)
