@@ -36,7 +36,8 @@ FOX = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                            "population": {"type": "integer", "maximum": 100000000}},
           "required": ["city", "population"]}
-MODEL_FEATURES = {"sampling", "text", "grammar", "stops", "logprobs", "chat"}
+# Cases marked `model_feature` need a model, which ENGINE=sim has not: tests/conftest.py deselects them for sim,
+# as it deselects vLLM's cases where vLLM is not installed (never skips: a skip in a green run stands out).
 
 
 @dataclass
@@ -44,10 +45,6 @@ class Subject:
     kind: str
     model: Model
     engine: Engine
-
-    def needs(self, feature: str) -> None:
-        if self.kind == "sim" and feature in MODEL_FEATURES:
-            pytest.skip(f"ENGINE=sim has no model: no {feature}")
 
     def ids(self, text: str) -> list[int]:
         return self.model.prompt_ids(Submit("p", SamplingParams(), prompt=text))
@@ -69,9 +66,6 @@ def _hf(request: pytest.FixtureRequest) -> Iterator[Subject]:
 
 
 def _vllm(_request: pytest.FixtureRequest) -> Iterator[Subject]:
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vLLM is not installed in this interpreter: `make test` runs these cases with "
-                    ".venv-vllm/bin/pytest -m vllm (the venv `make .venv-vllm/.ready` builds)")
     from worker.vllm.engine import build
 
     model, engine = build(Settings(**VLLM_SETTINGS))
@@ -201,15 +195,15 @@ def test_a_request_whose_tokens_were_all_delivered_needs_no_new_one(subject: Sub
 # -- engines with a model
 
 
+@pytest.mark.model_feature("text")
 def test_greedy_text_repeats_and_joins_its_deltas(subject: Subject) -> None:
-    subject.needs("text")
     first, second = subject.alone(STORY, FORCED), subject.alone(STORY, FORCED)
     assert tokens(first) == tokens(second) and text(first) == text(second)
     assert text(first).strip() and text(first) == subject.model.answer(Detokenize("d", tokens(first))).text
 
 
+@pytest.mark.model_feature("text")
 def test_the_end_of_sequence_ends_a_request_with_stop_unless_ignored(subject: Subject) -> None:
-    subject.needs("text")
     chat = subject.model.prompt_ids(Submit("c", GREEDY, messages=[ChatMessage("user", "Say hi.")]))
     ended = subject.run({0: [("x", chat, replace(GREEDY, max_tokens=200))]})["x"]
     check_whole(ended)
@@ -219,8 +213,8 @@ def test_the_end_of_sequence_ends_a_request_with_stop_unless_ignored(subject: Su
     assert len(forced) == len(ended) + 3 and forced[-1].finish_reason == "length"
 
 
+@pytest.mark.model_feature("text")
 def test_min_tokens_holds_off_the_end_of_sequence(subject: Subject) -> None:
-    subject.needs("text")
     chat = subject.model.prompt_ids(Submit("c", GREEDY, messages=[ChatMessage("user", "Say hi.")]))
     ended = subject.run({0: [("x", chat, replace(GREEDY, max_tokens=200))]})["x"]
     longer = subject.run({0: [("x", chat, replace(GREEDY, max_tokens=200, min_tokens=len(ended) + 2))]})["x"]
@@ -229,8 +223,8 @@ def test_min_tokens_holds_off_the_end_of_sequence(subject: Subject) -> None:
     assert not any(out.token_id in subject.model.eos_token_ids for out in longer[:len(ended) + 1])
 
 
+@pytest.mark.model_feature("stops")
 def test_a_stop_string_is_held_back_and_not_returned(subject: Subject) -> None:
-    subject.needs("stops")
     plain = subject.alone(STORY, replace(FORCED, max_tokens=24))
     full = text(plain)
     stop = full[len(full) // 2:len(full) // 2 + 3]
@@ -242,10 +236,10 @@ def test_a_stop_string_is_held_back_and_not_returned(subject: Subject) -> None:
     assert tokens(stopped) == tokens(plain)[:len(stopped)]
 
 
+@pytest.mark.model_feature("stops")
 def test_a_resumed_request_keeps_text_held_for_a_stop_string(subject: Subject) -> None:
     """Delivered tokens are replayed through the detokenizer and the stop matcher: the text continues exactly
     where the lost worker left it, held-back characters included."""
-    subject.needs("stops")
     plain = subject.alone(STORY, replace(FORCED, max_tokens=24))
     full = text(plain)
     stop = full[len(full) // 2:len(full) // 2 + 3]
@@ -257,8 +251,8 @@ def test_a_resumed_request_keeps_text_held_for_a_stop_string(subject: Subject) -
         (out.index, out.text, out.finish_reason) for out in whole[cut:]]
 
 
+@pytest.mark.model_feature("sampling")
 def test_seeded_sampling_repeats_and_seeds_differ(subject: Subject) -> None:
-    subject.needs("sampling")
     params = replace(FORCED, temperature=1.0, top_p=1.0, top_k=0, max_tokens=12)
     one = subject.alone(STORY, replace(params, seed=11))
     again = subject.alone(STORY, replace(params, seed=11))
@@ -267,8 +261,8 @@ def test_seeded_sampling_repeats_and_seeds_differ(subject: Subject) -> None:
     assert tokens(one) != tokens(other)
 
 
+@pytest.mark.model_feature("logprobs")
 def test_logprobs_describe_the_choice(subject: Subject) -> None:
-    subject.needs("logprobs")
     plain = subject.alone(STORY, FORCED)
     described = subject.alone(STORY, replace(FORCED, logprobs=3))
     assert tokens(described) == tokens(plain)
@@ -283,8 +277,8 @@ def test_logprobs_describe_the_choice(subject: Subject) -> None:
     assert all(out.logprob is not None and out.top_logprobs == [] for out in only)
 
 
+@pytest.mark.model_feature("sampling")
 def test_logit_bias_bans_and_forces_tokens(subject: Subject) -> None:
-    subject.needs("sampling")
     plain = subject.alone(STORY, replace(FORCED, max_tokens=4))
     banned = subject.alone(STORY, replace(FORCED, max_tokens=4, logit_bias=((plain[0].token_id, -100.0),)))
     assert banned[0].token_id != plain[0].token_id
@@ -293,19 +287,19 @@ def test_logit_bias_bans_and_forces_tokens(subject: Subject) -> None:
     assert tokens(forced) == [forced_token] * 3
 
 
+@pytest.mark.model_feature("sampling")
 def test_penalties_make_repeats_rarer(subject: Subject) -> None:
-    subject.needs("sampling")
     plain = tokens(subject.alone(LOOP, replace(FORCED, max_tokens=24)))
     penalised = tokens(subject.alone(LOOP, replace(FORCED, max_tokens=24, frequency_penalty=1.5,
                                                    presence_penalty=0.5)))
     assert len(penalised) - len(set(penalised)) < len(plain) - len(set(plain))
 
 
+@pytest.mark.model_feature("sampling")
 @pytest.mark.parametrize(("frequency", "presence"), [(0.8, 0.4), (0.0, 0.7), (0.0, 1.2)])
 def test_a_resumed_request_keeps_its_penalties(subject: Subject, frequency: float, presence: float) -> None:
     """The delivered tokens count for the frequency and presence penalties after a move as before it: once
     each for presence, also when one of them is generated again (which these prompts and penalties do)."""
-    subject.needs("sampling")
     params = replace(FORCED, max_tokens=30, frequency_penalty=frequency, presence_penalty=presence)
     for prompt, cut in ((LOOP, 4), (LOOP, 10), (FOX, 4)):
         whole = subject.alone(prompt, params)
@@ -313,8 +307,8 @@ def test_a_resumed_request_keeps_its_penalties(subject: Subject, frequency: floa
         assert tokens(rest) == tokens(whole)[cut:], (prompt, cut)
 
 
+@pytest.mark.model_feature("grammar")
 def test_a_grammar_holds_the_answer_to_a_json_schema(subject: Subject) -> None:
-    subject.needs("grammar")
     chat = subject.model.prompt_ids(Submit("c", GREEDY, messages=[ChatMessage("user", "Describe Paris in JSON.")]))
     params = replace(GREEDY, max_tokens=60, grammar=grammars.json_schema(SCHEMA))
     answer = subject.run({0: [("x", chat, params)]})["x"]
@@ -324,8 +318,8 @@ def test_a_grammar_holds_the_answer_to_a_json_schema(subject: Subject) -> None:
     assert set(value) == {"city", "population"} and isinstance(value["population"], int)
 
 
+@pytest.mark.model_feature("grammar")
 def test_a_resumed_constrained_request_continues_inside_its_grammar(subject: Subject) -> None:
-    subject.needs("grammar")
     chat = subject.model.prompt_ids(Submit("c", GREEDY, messages=[ChatMessage("user", "Describe Paris in JSON.")]))
     params = replace(GREEDY, max_tokens=60, grammar=grammars.json_schema(SCHEMA))
     whole = subject.run({0: [("x", chat, params)]})["x"]
@@ -335,15 +329,15 @@ def test_a_resumed_constrained_request_continues_inside_its_grammar(subject: Sub
     json.loads(text(whole[:4]) + text(rest))
 
 
+@pytest.mark.model_feature("grammar")
 def test_a_grammar_that_cannot_be_read_is_refused_at_add(subject: Subject) -> None:
-    subject.needs("grammar")
     with pytest.raises((GrammarError, ValueError)):
         subject.engine.add("bad", subject.ids(STORY), replace(GREEDY, grammar='{"grammars": "nonsense"}'))
     subject.run({})
 
 
+@pytest.mark.model_feature("chat")
 def test_the_model_tokenizes_chats_and_detokenizes(subject: Subject) -> None:
-    subject.needs("chat")
     messages = [ChatMessage("system", "Be brief."), ChatMessage("user", "Capital of France?")]
     ids = subject.model.prompt_ids(Submit("c", GREEDY, messages=messages))
     answer = subject.model.answer(Tokenize("t", messages=messages, with_strings=True))
