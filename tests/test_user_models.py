@@ -5,6 +5,7 @@ q, k and v on the int8 and block paths, each against float32 transformers on the
 from __future__ import annotations
 
 import ctypes
+import logging
 from pathlib import Path
 
 import gguf
@@ -15,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from gguf import quants
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
@@ -30,7 +33,7 @@ from worker.hf.cache import new_cache
 from worker.hf.forward import Part, forward_parts
 from worker.hf.model import load_model
 from worker.prompts import bundled_gguf
-from worker.weights import transcode
+from worker.weights import paths, transcode
 from worker.weights.blocks import BlockError, BlockLinear, BlockLlamaLayer, FileTensor, quantize_blocks, read_tensors
 from worker.weights.from_file import FileEmbedding
 from worker.weights.quant import Int8LlamaLayer, RowwiseLlamaLayer, plain_llama, quantize_int8
@@ -262,3 +265,22 @@ def test_the_model_built_from_its_file_alone_gives_the_bits_of_transformers_mode
     assert torch.equal(got, want)
     with torch.inference_mode():
         assert torch.equal(lean.model(ids).logits, full.model(ids).logits)  # transformers' forward too
+
+
+def test_a_model_whose_attention_int8_cannot_compute_runs_in_float32_or_stops_at_start(caplog) -> None:
+    """Gemma 3's sliding window is not row-wise attention's plain causal mask: `auto` falls back to float32 with a
+    warning naming why (and ENGINE=llamacpp), `int8` stops the worker at start; never a worker that starts and
+    then fails every request."""
+    config = Gemma3TextConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=16)
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(config).eval()
+    with caplog.at_level(logging.WARNING, logger="worker"):
+        assert paths.apply(model, "int8", Settings(), None) == "none"
+    assert any("int8 cannot serve" in r.message and "sliding" in r.error for r in caplog.records)
+    with torch.inference_mode():
+        assert model(torch.randint(0, 512, (1, 20))).logits.shape == (1, 20, 512)  # it serves
+    with pytest.raises(ValueError, match="WORKER_QUANT=int8: gemma3_text's attention"):
+        paths.apply(Gemma3ForCausalLM(config).eval(), "int8", Settings(worker_quant="int8"), None)
+    llama = tiny_llama()
+    assert paths.apply(llama, "int8", Settings(), None) == "int8"  # a plain causal one still takes int8

@@ -85,10 +85,24 @@ def apply(model: PreTrainedModel, path: str, settings: Settings, gguf_file: str 
     if path == "gguf":
         path = _take_blocks(model, settings, kernels, gguf_file)
     if path == "int8":
-        quant.quantize_int8(model, native=kernels)
+        path = _take_int8(model, settings, kernels)
     if path != "none":
         _return_freed_memory()
     return path
+
+
+def _take_int8(model: PreTrainedModel, settings: Settings, kernels: bool) -> str:
+    """int8, where its row-wise attention computes the model's; else float32 with a warning (`auto`), or a stop at
+    start (`int8`): never a worker that starts and then fails every request."""
+    why = quant.attention_unserved(model)
+    if why is None:
+        quant.quantize_int8(model, native=kernels)
+        return "int8"
+    if settings.worker_quant == "int8":
+        raise ValueError(f"WORKER_QUANT=int8: {why}")
+    log.warning("int8 cannot serve this model: float32", extra={
+        "error": why, "hint": "ENGINE=llamacpp serves a GGUF file of any architecture llama.cpp loads"})
+    return "none"
 
 
 def _take_blocks(model: PreTrainedModel, settings: Settings, kernels: bool, gguf_file: str | None) -> str:

@@ -135,8 +135,11 @@ def rowwise_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor | lis
     Assumes left padding (the engine's and `generate`'s), read off the mask's last query row, and a
     decoder in eval mode (causal, no dropout, no softcap). `key` and `value` may also be lists of each
     row's own ([1, heads, n, dim], worker/hf/cache.py's ragged layout): then each row is its own call."""
-    if kwargs.get("sliding_window") or kwargs.get("softcap") or kwargs.get("position_bias") is not None:
-        raise NotImplementedError("int8's row-wise attention handles plain causal attention only")
+    other = [name for name in ("sliding_window", "softcap") if kwargs.get(name)]
+    other += ["position_bias"] if kwargs.get("position_bias") is not None else []
+    if other:
+        raise NotImplementedError(f"int8's row-wise attention handles plain causal attention only, not a "
+                                  f"{' or '.join(other)}")
     if isinstance(key, list):  # (a compiled layer's decode step never comes here: AttendingLayer.write_and_attend)
         return scripted.attend_rows(query, key, value, attention_mask, scaling), None
     batch, kv_len = query.shape[0], key.shape[2]
@@ -316,6 +319,21 @@ def plain_llama(model: nn.Module) -> bool:
         return False
     return (shape and config.hidden_act == "silu"
             and (config.rope_parameters or {}).get("rope_type") in POSITIONAL_ROPE)
+
+
+def attention_unserved(model: PreTrainedModel) -> str | None:
+    """Why `rowwise_sdpa` cannot compute `model`'s attention (a sliding window, a softcap: Gemma, Mistral 7B v0.1),
+    or None. Asked of the model itself: one forward of two tokens with it, before anything is quantized."""
+    before = model.config._attn_implementation
+    model.set_attn_implementation(ROWWISE_ATTENTION)
+    try:
+        with torch.inference_mode():
+            model(torch.zeros((1, 2), dtype=torch.long, device=model.device))
+    except NotImplementedError as error:
+        return f"{model.config.model_type}'s attention: {error}"
+    finally:
+        model.set_attn_implementation(before)
+    return None
 
 
 def takes_blocks_together(model: nn.Module) -> bool:
