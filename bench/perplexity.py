@@ -53,9 +53,8 @@ def log_probs(loaded: LoadedModel, window: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
-def peer(binary: str, text: str, windows: int, threads: int) -> dict[str, object]:
-    """llama-perplexity on the bundled GGUF (the file the float32 model is dequantised from), same windows."""
-    gguf = Path(bundled_gguf())
+def peer(binary: str, gguf: Path, text: str, windows: int, threads: int) -> dict[str, object]:
+    """llama-perplexity on the GGUF file the float32 model is dequantised from, same windows."""
     with tempfile.NamedTemporaryFile("w", suffix=".txt") as corpus_file:
         corpus_file.write(text)
         corpus_file.flush()
@@ -73,14 +72,22 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--llama-perplexity", metavar="BIN",
                         help="also run llama.cpp's llama-perplexity on the same text and GGUF file")
+    parser.add_argument("--model", metavar="DIR",
+                        help="another GGUF file's folder (MODEL), e.g. the default model requantized by "
+                             "bench/user_models.py make: float32 of that file and its blocks only, written as "
+                             "perplexity_<folder>")
+    parser.add_argument("--model-file", default="model.gguf", help="the file in --model (MODEL_FILE)")
     args = parser.parse_args()
     provenance_at_start = provenance()
 
     text, source = corpus()
-    models = {quant: load_model(Settings(worker_threads=args.threads, worker_quant=quant))
-              for quant in ("none", "gguf", "int8")}
-    models["int8_unrotated"] = load_model(Settings(worker_threads=args.threads, worker_quant="none"))
-    quantize_int8(models["int8_unrotated"].model, rotate=False)  # the int8 path without its rotation
+    where = {"model": args.model, "model_file": args.model_file} if args.model else {}
+    paths = ("none", "gguf") if args.model else ("none", "gguf", "int8")
+    models = {quant: load_model(Settings(worker_threads=args.threads, worker_quant=quant, **where))
+              for quant in paths}
+    if not args.model:
+        models["int8_unrotated"] = load_model(Settings(worker_threads=args.threads, worker_quant="none"))
+        quantize_int8(models["int8_unrotated"].model, rotate=False)  # the int8 path without its rotation
     ids = models["none"].tokenizer(text)["input_ids"]
     count = len(ids) // WINDOW if not args.windows else min(args.windows, len(ids) // WINDOW)
     half = WINDOW // 2
@@ -111,7 +118,8 @@ def main() -> None:
                   for quant, parts in sums.items()}
     result = {
         "setup": {"source": source, "characters": len(text), "tokens": len(ids), "window": WINDOW,
-                  "windows": count, "threads": args.threads, "model": Settings().model},
+                  "windows": count, "threads": args.threads, "model": Path(args.model).name if args.model
+                  else Settings().model},
         "perplexity": {("float32" if quant == "none" else quant): value for quant, value in perplexity.items()},
         "over_float32": {quant: {part: perplexity[quant][part] / perplexity["none"][part] for part in scored}
                          for quant in kl},
@@ -121,10 +129,12 @@ def main() -> None:
                                for quant, total in seconds.items()},
     }
     if args.llama_perplexity:
-        result["llama_perplexity"] = peer(args.llama_perplexity, text, count, args.threads)
+        gguf = Path(args.model, args.model_file) if args.model else Path(bundled_gguf())
+        result["llama_perplexity"] = peer(args.llama_perplexity, gguf, text, count, args.threads)
         result["over_float32"]["llama_perplexity"] = {
             "second_half": result["llama_perplexity"]["second_half"] / perplexity["none"]["second_half"]}
-    write_results("perplexity", provenance_at_start, result)
+    name = f"perplexity_{Path(args.model).name.lower().replace('-', '_')}" if args.model else "perplexity"
+    write_results(name, provenance_at_start, result)
     print(json.dumps(result, indent=2))
 
 

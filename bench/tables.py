@@ -21,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-PEER_PATH = re.compile(r"(--llama-server|--llama-perplexity|--llama-cpp-python|--vllm-python) \S+")
+PEER_PATH = re.compile(r"(--llama-server|--llama-perplexity|--llama-cpp-python|--vllm-python|--tools) \S+")
 BEGIN, END = "<!-- tables:begin -->", "<!-- tables:end -->"
 # The README shows the kinds a user can tell their host by; runs whose host was not recorded stay in the docs.
 README_KINDS = ("gpu", "avx512", "avx2")
@@ -572,6 +572,11 @@ RENDERERS: dict[str, tuple[str, Callable[[dict], tuple[str, Table]]]] = {
                          stack_throughput),
     "quality": ("int8 against float32: speed, answers, batch invariance", quality),
     "perplexity": ("perplexity of the GGUF blocks and int8 against float32 (and llama.cpp)", perplexity),
+    "perplexity_smollm2_135m_q4_k_m": ("the same for the default model requantized to Q4_K_M by llama-quantize "
+                                       "(Q4_K, Q5_0 and Q6_K: the blocks transcoded to Q4_1 and Q8_0), its own "
+                                       "float32 as the reference", perplexity),
+    "perplexity_smollm2_135m_q6_k": ("the same requantized to Q6_K (and Q8_0 where a row is no multiple of 256)",
+                                     perplexity),
     "worker_start": ("a new worker: process start to its first token served (model load and weight packing "
                      "included), its memory", worker_start),
     "decode_step": ("where an int8 decode step's time goes", decode_step),

@@ -5,7 +5,8 @@ make: into --dir (default ~/.cache/llmserve/user-models), one folder per file, e
     public models' shapes (speed does not depend on the weights' values with forced tokens), saved with the
     shipped tokenizer, converted by llama.cpp's convert_hf_to_gguf.py and quantized to Q4_K_M: Qwen2.5-0.5B
     (biases on q, k, v), Llama-3.2-1B with its `llama3` rotary scaling, Qwen3-0.6B (norms on q and k).
-    llama.cpp's tools come from bench/llama_tools.sh (--tools: the folder it printed).
+    llama.cpp's tools come from bench/llama_tools.sh (--tools: the folder it printed); its converter imports
+    sentencepiece (`pip install sentencepiece` into the venv).
 run: per file, the servers taking turns (--rounds): `make run`'s stack (MODEL=<folder> MODEL_FILE=model.gguf,
     WORKER_SLOTS 16) and llama-server (-t 2, --parallel 16, 512 tokens of context a slot), each with 12-token
     prompts and 64 forced tokens at concurrency 1 and 16; the path the worker took (its `worker ready` log line);
