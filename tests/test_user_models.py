@@ -276,11 +276,11 @@ def test_a_model_whose_attention_int8_cannot_compute_runs_in_float32_or_stops_at
     torch.manual_seed(0)
     model = Gemma3ForCausalLM(config).eval()
     with caplog.at_level(logging.WARNING, logger="worker"):
-        assert paths.apply(model, "int8", Settings(), None) == "none"
+        assert paths.apply(model, "int8", Settings()) == "none"
     assert any("int8 cannot serve" in r.message and "sliding" in r.error for r in caplog.records)
     with torch.inference_mode():
         assert model(torch.randint(0, 512, (1, 20))).logits.shape == (1, 20, 512)  # it serves
     with pytest.raises(ValueError, match="WORKER_QUANT=int8: gemma3_text's attention"):
-        paths.apply(Gemma3ForCausalLM(config).eval(), "int8", Settings(worker_quant="int8"), None)
+        paths.apply(Gemma3ForCausalLM(config).eval(), "int8", Settings(worker_quant="int8"))
     llama = tiny_llama()
-    assert paths.apply(llama, "int8", Settings(), None) == "int8"  # a plain causal one still takes int8
+    assert paths.apply(llama, "int8", Settings()) == "int8"  # a plain causal one still takes int8

@@ -1,5 +1,5 @@
 """The own engine's model paths: what a model's linear layers, and the layer glue around them, run on. One module
-per weight format, each saying what it runs; `choose` and `apply` in paths.py are the one place that picks the path,
+per weight format, each saying what it runs; `choose` and `load` in paths.py are the one place that picks the path,
 from the model's files, the device and the settings (WORKER_QUANT, WORKER_NATIVE).
 
 - gguf (blocks.py, blocks.cpp): the GGUF file's own blocks as Q4_1 or Q8_0 blocks (transcode.py), each token's

@@ -1,5 +1,5 @@
 """The one place that picks a model's path (see the package's docstring for what each path runs): `choose` from
-the setting, the device and the model's files, before anything loads; `apply` puts the loaded model on it."""
+the setting, the device and the model's files, before anything loads; `load` loads the model on it."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ PATHS = ("auto", "gguf", "int8", "none")
 
 def choose(setting: str, device: torch.device, gguf_file: str | None, int8_supported: bool) -> str:
     """The path a model takes, before anything is loaded (so that a bad value fails at once). `auto` on a CPU is
-    the GGUF file's own blocks where the model comes from one (they may still fall back: `apply`), else int8 where
+    the GGUF file's own blocks where the model comes from one (they may still fall back: `load`), else int8 where
     torch has its kernels, else none; on any other device, none."""
     if setting not in PATHS:
         raise ValueError(f"WORKER_QUANT must be auto, gguf, int8 or none, not {setting!r}")
@@ -40,21 +40,22 @@ def load(settings: Settings, chosen: str, source: str, extra: dict[str, str], de
     """The model on its path (choose's answer), and the path it took. The GGUF blocks build the model from the file
     alone (worker/weights/from_file.py); every other path, and the blocks' fallback, loads transformers' model."""
     if chosen == "gguf":
-        model = _model_on_blocks(settings, source, extra, dtype, gguf_file)
+        fallback = "int8" if quant.supported() else "none"
+        model = _model_on_blocks(settings, source, extra, dtype, gguf_file, fallback)
         if model is not None:
             _return_freed_memory()
             return model, "gguf"
-        chosen = "int8" if quant.supported() else "none"
+        chosen = fallback
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **extra).to(device).eval()
     if gguf_file:
         rope.take_file_factors(model, blocks.read_tensors(gguf_file))  # Llama 3's scaling (worker/weights/rope.py)
-    return model, apply(model, chosen, settings, gguf_file)
+    return model, apply(model, chosen, settings)
 
 
 def _model_on_blocks(settings: Settings, source: str, extra: dict[str, str], dtype: torch.dtype,
-                     gguf_file: str | None) -> PreTrainedModel | None:
-    """The model on the file's blocks; None where they cannot serve it and WORKER_QUANT=auto (a warning says why),
-    ValueError where WORKER_QUANT=gguf asked for them."""
+                     gguf_file: str | None, fallback: str) -> PreTrainedModel | None:
+    """The model on the file's blocks; None where they cannot serve it and WORKER_QUANT=auto (a warning says why
+    and names the `fallback` path), ValueError where WORKER_QUANT=gguf asked for them."""
     try:
         if not native.load(settings.worker_native):
             raise blocks.BlockError(f"the compiled kernels are not loaded (WORKER_NATIVE={settings.worker_native})")
@@ -65,8 +66,7 @@ def _model_on_blocks(settings: Settings, source: str, extra: dict[str, str], dty
     except blocks.BlockError as error:
         if settings.worker_quant == "gguf":
             raise ValueError(f"WORKER_QUANT=gguf: {error}") from error
-        log.warning("the GGUF file's own blocks cannot serve",
-                    extra={"error": str(error), "quant": "int8" if quant.supported() else "none"})
+        log.warning("the GGUF file's own blocks cannot serve", extra={"error": str(error), "quant": fallback})
         return None
 
 
@@ -76,14 +76,12 @@ def _log_kernels(settings: Settings) -> None:
                                "attention_level": attention_level})
 
 
-def apply(model: PreTrainedModel, path: str, settings: Settings, gguf_file: str | None) -> str:
-    """Put the model on `path` (choose's answer); returns the path it took. Where `auto` chose the blocks and they
-    cannot serve (no kernels, a file of other block types), int8, with a warning that says why."""
+def apply(model: PreTrainedModel, path: str, settings: Settings) -> str:
+    """Put transformers' loaded model on `path` (int8 or none; the blocks build their own: `load`); returns the
+    path it took."""
     kernels = path != "none" and native.load(settings.worker_native)
     if kernels:
         _log_kernels(settings)
-    if path == "gguf":
-        path = _take_blocks(model, settings, kernels, gguf_file)
     if path == "int8":
         path = _take_int8(model, settings, kernels)
     if path != "none":
@@ -103,20 +101,6 @@ def _take_int8(model: PreTrainedModel, settings: Settings, kernels: bool) -> str
     log.warning("int8 cannot serve this model: float32", extra={
         "error": why, "hint": "ENGINE=llamacpp serves a GGUF file of any architecture llama.cpp loads"})
     return "none"
-
-
-def _take_blocks(model: PreTrainedModel, settings: Settings, kernels: bool, gguf_file: str | None) -> str:
-    try:
-        if not kernels:
-            raise blocks.BlockError(f"the compiled kernels are not loaded (WORKER_NATIVE={settings.worker_native})")
-        blocks.quantize_blocks(model, gguf_file)
-    except blocks.BlockError as error:
-        if settings.worker_quant == "gguf":
-            raise ValueError(f"WORKER_QUANT=gguf: {error}") from error
-        fallback = "int8" if quant.supported() else "none"
-        log.warning("the GGUF file's own blocks cannot serve", extra={"error": str(error), "quant": fallback})
-        return fallback
-    return "gguf"
 
 
 def _return_freed_memory() -> None:
