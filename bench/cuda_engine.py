@@ -120,7 +120,7 @@ def hf_generate(loaded, prompts: list[list[int]], new_tokens: int):
     ignore_eos does (min_new_tokens): each row's tokens, and its raw logits at each step [rows, steps, vocab]."""
     import torch
 
-    from worker.hf.engine import left_padded
+    from worker.hf.sequences import left_padded
 
     pad = loaded.eos_token_ids[0]
     ids, mask = left_padded(prompts, pad, loaded.device)
@@ -289,7 +289,7 @@ def decode(args: argparse.Namespace) -> int:
             for i in range(args.warmup + args.steps):  # the forward alone: transformers' over the padded cache
                 synchronize(device)
                 begun = time.perf_counter()
-                engine._forward_one_token(engine.batch)
+                engine.runner.forward_one_token(engine.batch)
                 synchronize(device)
                 if i >= args.warmup:
                     forward.append(time.perf_counter() - begun)

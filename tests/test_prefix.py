@@ -18,15 +18,9 @@ from llmserve.bench.workload import Lengths, make_jobs
 from scheduler.policy import EXPECTED_LIMIT, EXPECTED_TTL, Queued, WaitingQueue, WorkerState, choose, plan
 from tests.conftest import RunningStack, run_engine, wait_for
 from worker.core import StepOutput
-from worker.hf.engine import (
-    ATTENTION_KEYS_PER_TOKEN,
-    DEFAULT_CHUNK,
-    IDLE_PASS_TOKENS,
-    MIN_CHUNK_TOKENS,
-    Engine,
-    chunk_tokens,
-)
+from worker.hf.engine import Engine
 from worker.hf.model import LoadedModel
+from worker.hf.planner import ATTENTION_KEYS_PER_TOKEN, DEFAULT_CHUNK, IDLE_PASS_TOKENS, MIN_CHUNK_TOKENS, chunk_tokens
 from worker.prefix import HeldPrefixes, PrefixStore, block_digests
 
 SCORED = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
@@ -230,9 +224,9 @@ def test_one_forward_takes_at_most_idle_pass_tokens_over_the_rows_of_its_group(l
         engine.abort_all()
         for row in range(rows):
             engine.add(f"r{row}", prompt, SCORED)
-        engine._start_prefills()
+        assert engine.planner.schedule(running=0).kind == "prefill"
         (group,) = engine.prefills
-        assert engine._pass_blocks(group, 4096) == max(1, IDLE_PASS_TOKENS // (engine.block * rows))
+        assert engine.planner.pass_blocks(group, 4096) == max(1, IDLE_PASS_TOKENS // (engine.block * rows))
 
 
 def test_cancelling_a_prompt_mid_prefill_leaves_its_group_mates_exact(loaded: LoadedModel) -> None:

@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from common.errors import ErrorCode
 from common.protocol import SamplingParams, TokenLogprob
-from worker.core import PromptTooLong, StepOutput
+from worker.core import GrammarError, PromptTooLong, StepOutput
 from worker.detokenizer import Detokenizer
 from worker.stops import StopMatcher
 
@@ -27,6 +27,14 @@ class Ranked(Protocol):
     chosen: float
     top_ids: list[int]
     top_values: list[float]
+
+
+class Matcher(Protocol):
+    """A request's grammar as it checks each token (worker/hf/grammar.py's LLMatcher)."""
+
+    def consume_token(self, token: int) -> bool: ...
+    def is_stopped(self) -> bool: ...
+    def get_error(self) -> str: ...
 
 
 @dataclass
@@ -40,6 +48,7 @@ class SequenceText:
     detokenizer: Detokenizer
     stops: StopMatcher | None
     tokens: list[int] = field(default_factory=list)
+    matcher: Matcher | None = None  # the grammar its tokens keep to, if any
 
     @property
     def emitted(self) -> int:
@@ -71,11 +80,12 @@ class OutputProcessor:
                                 f"{self.max_length} tokens, prompt and completion together")
 
     def open(self, request_id: str, prompt_ids: Tokens[int], params: SamplingParams,
-             resume: Tokens[int] = ()) -> SequenceText:
-        """A checked request's output, with the tokens another worker delivered replayed as it emitted them."""
+             resume: Tokens[int] = (), matcher: Matcher | None = None) -> SequenceText:
+        """A checked request's output, with the tokens another worker delivered replayed as it emitted them
+        (`matcher`, its grammar's, has taken them already)."""
         self.check(prompt_ids, resume)
         sequence = SequenceText(request_id, len(prompt_ids), params, Detokenizer(self.tokenizer, list(prompt_ids)),
-                                StopMatcher(params.stop) if any(params.stop) else None)
+                                StopMatcher(params.stop) if any(params.stop) else None, matcher=matcher)
         for token in resume:
             sequence.tokens.append(token)
             self._text(sequence, token, last=False, eos=False)
@@ -96,6 +106,25 @@ class OutputProcessor:
         if logprobs is not None:
             output.logprob, output.top_logprobs = self.logprobs(token, logprobs)
         return output
+
+    def emit_pick(self, sequence: SequenceText, pick: tuple[int, Ranked | None] | None) -> StepOutput:
+        """A sampled row's output. `pick` is its token and log-probabilities, None where no token could be
+        sampled; a row whose token breaks its grammar or cannot become text fails alone."""
+        if pick is None:
+            return self.fail(sequence, "no token could be sampled with these parameters")
+        token, logprobs = pick
+        reason = None
+        matcher = sequence.matcher
+        if matcher is not None:
+            if token not in self.eos_token_ids and not matcher.consume_token(token):
+                return self.fail(sequence, f"the grammar cannot be kept to: {matcher.get_error()}",
+                                 ErrorCode.INVALID_VALUE)
+            reason = "stop" if matcher.is_stopped() else None  # complete: it allows nothing more
+        try:
+            return self.emit(sequence, token, reason, logprobs)
+        except Exception as exc:
+            code = ErrorCode.INVALID_VALUE if isinstance(exc, GrammarError) else ErrorCode.ENGINE_ERROR
+            return self.fail(sequence, str(exc), code)
 
     @staticmethod
     def fail(sequence: SequenceText, message: str, code: ErrorCode = ErrorCode.ENGINE_ERROR) -> StepOutput:

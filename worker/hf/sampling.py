@@ -7,10 +7,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from common.protocol import SamplingParams
+
+if TYPE_CHECKING:
+    from worker.hf.grammar import Grammars
+    from worker.output import SequenceText
 
 log = logging.getLogger("worker")
 
@@ -107,6 +112,18 @@ def sample_each(logits: torch.Tensor, params: list[SamplingParams], generators: 
             log.warning("sampling failed", extra={"request_id": request_ids[row], "error": str(exc)})
             picks.append(None)
     return picks
+
+
+def sample_texts(logits: torch.Tensor, texts: list[SequenceText], generators: list[torch.Generator | None],
+                 grammars: Grammars, eos_token_ids: list[int], device: torch.device | None = None
+                 ) -> list[Pick | None]:
+    """`sample_each` for sequences as worker/output.py holds them: an end of sequence banned while it must not
+    come, penalties over every token delivered, each grammar's mask (its index built only if a row asks)."""
+    matchers = [t.matcher for t in texts]
+    biases = grammars.row_biases(matchers, device) if any(m is not None for m in matchers) else [None] * len(texts)
+    return sample_each(logits, [t.params for t in texts], generators,
+                       [list(eos_token_ids) if t.holds_eos() else [] for t in texts], [t.tokens for t in texts],
+                       biases, [t.request_id for t in texts])
 
 
 def _penalise(logits: torch.Tensor, params: list[SamplingParams], generated: list[list[int]]) -> None:

@@ -20,12 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from common.errors import ErrorCode
 from common.protocol import SamplingParams
 from common.settings import Settings
-from worker.core import GrammarError, StepKind, StepOutput, StepResult
-from worker.hf.grammar import LLMatcher
-from worker.hf.sampling import Pick, new_generator, sample_each
+from worker.core import StepKind, StepOutput, StepResult
+from worker.hf.sampling import Pick, new_generator, sample_texts
 from worker.llamacpp.library import DecodeError, NoRoom, Row
 from worker.llamacpp.model import LlamaCppModel, load
 from worker.output import OutputProcessor, SequenceText
@@ -57,7 +55,6 @@ class _Sequence:
     text: SequenceText
     prompt_ids: list[int]
     generator: torch.Generator | None
-    matcher: LLMatcher | None
     seq: int = -1  # its sequence id in llama.cpp's cache while admitted
     cached: int = 0  # tokens of its stream in the cache
 
@@ -114,8 +111,8 @@ class LlamaCppEngine:
         resume = list(resume or [])
         self.output.check(prompt_ids, resume)
         matcher = self.model.grammars.matcher(params.grammar, resume) if params.grammar else None
-        text = self.output.open(request_id, prompt_ids, params, resume)
-        self.waiting.append(_Sequence(text, list(prompt_ids), new_generator(params, torch.device("cpu")), matcher))
+        text = self.output.open(request_id, prompt_ids, params, resume, matcher)
+        self.waiting.append(_Sequence(text, list(prompt_ids), new_generator(params, torch.device("cpu"))))
 
     def cancel(self, request_id: str) -> bool:
         for sequence in self.waiting:
@@ -210,37 +207,16 @@ class LlamaCppEngine:
                 sequence.cached = last[sequence.seq] + 1
         outputs = []
         for sequence, pick in zip(sampled, self._sample(logits, sampled), strict=True):
-            output = self._emit_or_fail(sequence, pick)
+            output = self.output.emit_pick(sequence.text, pick)
             if output.finish_reason is not None or output.error is not None:
                 self._leave(sequence)
             outputs.append(output)
         return outputs
 
     def _sample(self, logits: torch.Tensor, sequences: list[_Sequence]) -> list[Pick | None]:
-        eos = self.model.eos_token_ids
-        banned = [eos if s.text.holds_eos() else [] for s in sequences]
         with one_torch_thread():
-            # The grammars' index is built on first use: only a constrained row asks for it.
-            grammar = self.model.grammars.row_biases([s.matcher for s in sequences]) \
-                if any(s.matcher is not None for s in sequences) else [None] * len(sequences)
-            return sample_each(logits, [s.text.params for s in sequences], [s.generator for s in sequences],
-                               banned, [s.text.tokens for s in sequences], grammar, [s.request_id for s in sequences])
-
-    def _emit_or_fail(self, sequence: _Sequence, pick: Pick | None) -> StepOutput:
-        if pick is None:
-            return self.output.fail(sequence.text, "no token could be sampled with these parameters")
-        token, logprobs = pick
-        reason = None
-        if sequence.matcher is not None:
-            if token not in self.model.eos_token_ids and not sequence.matcher.consume_token(token):
-                return self.output.fail(sequence.text, f"the grammar cannot be kept to: "
-                                        f"{sequence.matcher.get_error()}", ErrorCode.INVALID_VALUE)
-            reason = "stop" if sequence.matcher.is_stopped() else None  # complete: it allows nothing more
-        try:
-            return self.output.emit(sequence.text, token, reason, logprobs)
-        except Exception as exc:
-            code = ErrorCode.INVALID_VALUE if isinstance(exc, GrammarError) else ErrorCode.ENGINE_ERROR
-            return self.output.fail(sequence.text, str(exc), code)
+            return sample_texts(logits, [s.text for s in sequences], [s.generator for s in sequences],
+                                self.model.grammars, self.model.eos_token_ids)
 
 
 def build(settings: Settings) -> tuple[LlamaCppModel, LlamaCppEngine]:
