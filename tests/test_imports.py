@@ -58,6 +58,28 @@ def test_no_module_reaches_itself_through_its_imports():
     assert len(order) >= 60  # every service's modules were read
 
 
+# Lower rooms import nothing of the rooms above them: the model paths and kernels serve the own engine and know
+# nothing of it; the text side and the engine seam serve every engine.
+BELOW = {"worker.weights": ("worker.hf", "worker.llamacpp", "worker.vllm", "worker.main"),
+         "worker.output": ("worker.hf", "worker.llamacpp", "worker.vllm"),
+         "worker.core": ("worker.hf", "worker.llamacpp", "worker.vllm")}
+
+
+def upward(edges: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{module} -> {target}" for module, targets in edges.items() for target in targets
+                  for room, above in BELOW.items() if module.startswith(room) and target.startswith(above))
+
+
+def test_no_arrow_runs_back_up():
+    assert upward(graph()) == []
+
+
+def test_the_check_sees_an_arrow_back_up():
+    edges = graph()
+    edges["worker.weights.blocks"].add("worker.hf.cache")  # the arrow this check was written after
+    assert upward(edges) == ["worker.weights.blocks -> worker.hf.cache"]
+
+
 def test_the_check_sees_a_circle():
     edges = graph()
     edges["worker.weights.quant"].add("worker.hf.cache")  # the circle this check was written after

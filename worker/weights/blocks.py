@@ -29,9 +29,9 @@ from torch import nn
 from transformers import Cache, LlamaForCausalLM, PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from worker.hf.cache import attend_layers
 from worker.weights import native, transcode
 from worker.weights.quant import ROWWISE_ATTENTION, RowwiseLlamaLayer, attending, plain_llama
+from worker.weights.ragged import attend_layers
 
 Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
 TILE = 16  # output channels per tile: one 512-bit vector of 32-bit sums

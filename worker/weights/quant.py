@@ -56,7 +56,7 @@ def supported() -> bool:
 @runtime_checkable
 class AttendingLayer(Protocol):
     """A cache layer that writes a forward's keys and values and attends in one compiled call (the own engine's
-    ragged cache, worker/hf/cache.py): the seam keeps these model paths free of the engine's cache types."""
+    ragged cache, worker/weights/ragged.py): the seam keeps these model paths free of the engine's cache types."""
 
     def write_and_attend(self, query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
                          scaling: float) -> torch.Tensor: ...
@@ -134,7 +134,7 @@ def rowwise_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor | lis
     the kernel computes each row of an unpadded batch as it would compute that row alone (tested).
     Assumes left padding (the engine's and `generate`'s), read off the mask's last query row, and a
     decoder in eval mode (causal, no dropout, no softcap). `key` and `value` may also be lists of each
-    row's own ([1, heads, n, dim], worker/hf/cache.py's ragged layout): then each row is its own call."""
+    row's own ([1, heads, n, dim], worker/weights/ragged.py): then each row is its own call."""
     other = [name for name in ("sliding_window", "softcap") if kwargs.get(name)]
     other += ["position_bias"] if kwargs.get("position_bias") is not None else []
     if other:
@@ -162,7 +162,7 @@ AttentionMaskInterface.register(ROWWISE_ATTENTION, sdpa_mask)  # the padding mas
 
 
 class RowwiseLlamaLayer(nn.Module):
-    """A Llama decoder layer whose attention reads each row's own keys (`rowwise_sdpa`, worker/hf/cache.py's ragged
+    """A Llama decoder layer whose attention reads each row's own keys (`rowwise_sdpa`, worker/weights/ragged.py
     rows), around two products that a subclass supplies: `project_qkv` (q, k and v fused) and `mlp_residual`
     (o_proj, the MLP and both residuals). Every product takes each token alone, so each row's result is the one
     it gets alone."""
@@ -346,7 +346,7 @@ def takes_blocks_together(model: nn.Module) -> bool:
 
 def takes_rows_alone(model: nn.Module) -> bool:
     """Whether every decoder layer is a `RowwiseLlamaLayer` (int8 or the GGUF blocks), whose attention takes each
-    row's own keys and values: its cache may then hold rows side by side without padding (worker/hf/cache.py)."""
+    row's own keys and values: its cache may then hold rows side by side without padding (worker/weights/ragged.py)."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     return bool(layers) and all(isinstance(layer, RowwiseLlamaLayer) for layer in layers)
 
