@@ -33,7 +33,7 @@ class Settings:
     worker_batching: str = "continuous"
     prefill_block: int = 0
     prefill_chunk: int = 16
-    prefix_cache_bytes: int = 256 << 20
+    prefix_cache_bytes: str = "auto"
     heartbeat_interval: float = 1.0
     worker_ttl: float = 5.0
     max_message_bytes: int = 1 << 20
@@ -101,7 +101,22 @@ class Settings:
         """Models a gateway accepts requests for besides MODEL while no live worker serves them (MODELS)."""
         return _names(self.models)
 
+    def prefix_cache_setting(self) -> int | None:
+        """PREFIX_CACHE_BYTES: a bound in bytes (0: no prefix cache), or None for `auto` (sized by the worker from
+        the memory it has once its model is loaded: worker/prefix.py)."""
+        if self.prefix_cache_bytes == "auto":
+            return None
+        try:
+            value = int(self.prefix_cache_bytes)
+        except ValueError:
+            raise SettingsError(f"PREFIX_CACHE_BYTES={self.prefix_cache_bytes!r}: expected auto or a number of "
+                                "bytes") from None
+        if value < 0:
+            raise SettingsError(f"PREFIX_CACHE_BYTES={value}: must not be negative")
+        return value
+
     def check(self) -> None:
+        self.prefix_cache_setting()
         for field in fields(self):
             value = getattr(self, field.name)
             if isinstance(value, int | float) and value < 0:

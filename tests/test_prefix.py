@@ -11,8 +11,10 @@ import msgspec
 import pytest
 from prometheus_client import REGISTRY
 
+from common.errors import SettingsError
 from common.prefix import MAX_KEYS, TEXT_BLOCK, prefix_keys
 from common.protocol import ChatMessage, Heartbeat, SamplingParams, Submit, decode, encode
+from common.settings import Settings
 from llmserve.bench.client import Sampling, Target
 from llmserve.bench.workload import Lengths, make_jobs
 from scheduler.policy import EXPECTED_LIMIT, EXPECTED_TTL, Queued, WaitingQueue, WorkerState, choose, plan
@@ -21,7 +23,7 @@ from worker.core import StepOutput
 from worker.hf.engine import Engine
 from worker.hf.model import LoadedModel
 from worker.hf.planner import ATTENTION_KEYS_PER_TOKEN, DEFAULT_CHUNK, IDLE_PASS_TOKENS, MIN_CHUNK_TOKENS, chunk_tokens
-from worker.prefix import HeldPrefixes, PrefixStore, block_digests
+from worker.prefix import AUTO_FLOOR, AUTO_SHARE, HeldPrefixes, PrefixStore, available_bytes, block_digests, cache_bytes
 
 SCORED = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
 SYSTEM = " ".join(f"Rule {i}: answer politely, briefly and only about the bakery's bread and cakes." for i in range(12))
@@ -397,3 +399,58 @@ def test_a_worker_s_heartbeat_reports_the_prefixes_it_caches(stack: RunningStack
         return raw is not None and key in decode(raw, Heartbeat, 1 << 20).prefixes
 
     wait_for(reported, 10, "the prefix in the worker's heartbeat")
+
+
+def fake_host(tmp_path, available_kb: int, group: str = "/", limit: str | None = None, used: int = 0):
+    proc, cgroups = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text(f"MemTotal:       99999999 kB\nMemAvailable:   {available_kb} kB\n")
+    (proc / "self/cgroup").write_text(f"0::{group}\n")
+    if limit is not None:
+        folder = cgroups / group.lstrip("/")
+        folder.mkdir(parents=True)
+        (folder / "memory.max").write_text(f"{limit}\n")
+        (folder / "memory.current").write_text(f"{used}\n")
+    return proc, cgroups
+
+
+def test_auto_prefix_cache_takes_a_share_of_the_memory_left(tmp_path) -> None:
+    proc, cgroups = fake_host(tmp_path, 16 << 20)  # 16 GiB available, no limit of its own
+    assert available_bytes(proc, cgroups) == 16 << 30
+    assert cache_bytes(None, available_bytes(proc, cgroups)) == (16 << 30) // AUTO_SHARE
+    assert cache_bytes(None, 10 << 20) == AUTO_FLOOR  # nearly nothing left: the floor
+    assert cache_bytes(12345, 16 << 30) == 12345 and cache_bytes(0, 16 << 30) == 0  # a number is kept as it is
+
+
+def test_a_container_limit_below_the_host_s_memory_bounds_the_auto_prefix_cache(tmp_path) -> None:
+    proc, cgroups = fake_host(tmp_path, 16 << 20, "/docker/abc", str(4 << 30), 1 << 30)
+    assert available_bytes(proc, cgroups) == 3 << 30
+    proc, cgroups = fake_host(tmp_path / "unlimited", 16 << 20, "/user.slice", "max", 1 << 30)
+    assert available_bytes(proc, cgroups) == 16 << 30
+
+
+def test_a_cgroup_v1_memory_limit_counts_too(tmp_path) -> None:
+    proc, cgroups = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text("MemAvailable:   16777216 kB\n")
+    (proc / "self/cgroup").write_text("5:devices:/\n4:memory:/jobs/one\n0::/\n")
+    folder = cgroups / "memory/jobs/one"
+    folder.mkdir(parents=True)
+    (folder / "memory.limit_in_bytes").write_text(f"{2 << 30}\n")
+    (folder / "memory.usage_in_bytes").write_text(f"{1 << 29}\n")
+    assert available_bytes(proc, cgroups) == (2 << 30) - (1 << 29)
+    (folder / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    assert available_bytes(proc, cgroups) == 16 << 30
+
+
+@pytest.mark.parametrize(("raw", "expected"), [("auto", None), ("0", 0), ("1048576", 1 << 20)])
+def test_the_prefix_cache_setting(monkeypatch: pytest.MonkeyPatch, raw: str, expected: int | None) -> None:
+    monkeypatch.setenv("PREFIX_CACHE_BYTES", raw)
+    assert Settings.from_env().prefix_cache_setting() == expected
+
+
+@pytest.mark.parametrize("raw", ["lots", "-5", "1.5"])
+def test_a_bad_prefix_cache_setting_fails_naming_it(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    monkeypatch.setenv("PREFIX_CACHE_BYTES", raw)
+    with pytest.raises(SettingsError, match="PREFIX_CACHE_BYTES"):
+        Settings.from_env()

@@ -102,7 +102,7 @@ def test_auto_picks_vllm_only_with_a_gpu_and_vllm_installed() -> None:
 
 def test_vllm_engine_arguments_follow_our_settings() -> None:
     settings = Settings(worker_slots=24, vllm_max_model_len=4096, vllm_kv_cache_gb=3, vllm_tensor_parallel_size=2,
-                        vllm_gpu_memory_utilization=0.8, prefix_cache_bytes=0)
+                        vllm_gpu_memory_utilization=0.8, prefix_cache_bytes="0")
     gpu = vllm_model.engine_arguments(settings, "/m", cuda=True)
     assert gpu["max_num_seqs"] == 24 and gpu["max_model_len"] == 4096 and gpu["tensor_parallel_size"] == 2
     assert gpu["gpu_memory_utilization"] == 0.8 and gpu["kv_cache_memory_bytes"] == 3 << 30

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from common.settings import Settings
 from worker.core import Engine, Model
+from worker.prefix import cache_bytes
 
 log = logging.getLogger("worker")
 
@@ -54,8 +55,10 @@ def _hf(settings: Settings) -> tuple[Model, Engine]:
     static = _static(settings)
     loaded = load_model(settings)
     _ = loaded.grammars  # its vocabulary index builds while the worker starts
+    prefix_bytes = cache_bytes(settings.prefix_cache_setting())
+    log.info("prefix cache", extra={"bytes": prefix_bytes, "setting": settings.prefix_cache_bytes})
     return loaded, ModelEngine(loaded, settings.slots(), static, settings.prefill_block, settings.prefill_chunk,
-                               settings.prefix_cache_bytes)
+                               prefix_bytes)
 
 
 def _vllm(settings: Settings) -> tuple[Model, Engine]:

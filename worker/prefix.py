@@ -16,9 +16,15 @@ import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Generic, Protocol, TypeVar
 
 from common.prefix import TextPrefix
+
+# PREFIX_CACHE_BYTES=auto: this share of the memory left once the model has loaded (workers that share a host start
+# alike, each seeing the same memory), and at least the floor.
+AUTO_SHARE = 8
+AUTO_FLOOR = 64 << 20
 
 
 class Sized(Protocol):
@@ -27,6 +33,42 @@ class Sized(Protocol):
 
 
 B = TypeVar("B", bound=Sized)
+
+
+def available_bytes(proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")) -> int:
+    """Memory this process may still take: the host's MemAvailable, or its memory cgroup's limit less its usage (a
+    container's memory limit, cgroup v2 or v1) where that is lower."""
+    meminfo = dict(line.split(":", 1) for line in (proc / "meminfo").read_text().splitlines() if ":" in line)
+    available = int(meminfo["MemAvailable"].split()[0]) * 1024
+    for limit_file, usage_file in _memory_groups(proc, cgroups):
+        try:
+            limit, used = limit_file.read_text().strip(), int(usage_file.read_text())
+        except (OSError, ValueError):
+            continue
+        if limit != "max":  # v2's word for none; v1 writes a number beyond any memory
+            available = min(available, max(0, int(limit) - used))
+    return available
+
+
+def _memory_groups(proc: Path, cgroups: Path) -> list[tuple[Path, Path]]:
+    """The limit and usage files of this process's own memory cgroup, as /proc/self/cgroup names it."""
+    found = []
+    for line in (proc / "self/cgroup").read_text().splitlines():
+        number, controllers, group = line.split(":", 2)
+        group = group.strip().lstrip("/")
+        if number == "0" and not controllers:
+            found.append((cgroups / group / "memory.max", cgroups / group / "memory.current"))
+        elif "memory" in controllers.split(","):
+            folder = cgroups / "memory" / group
+            found.append((folder / "memory.limit_in_bytes", folder / "memory.usage_in_bytes"))
+    return found
+
+
+def cache_bytes(setting: int | None, available: int | None = None) -> int:
+    """The prefix cache's bound: PREFIX_CACHE_BYTES's number, or for `auto` (None) a share of the memory left."""
+    if setting is not None:
+        return setting
+    return max(AUTO_FLOOR, (available_bytes() if available is None else available) // AUTO_SHARE)
 
 
 def block_digests(tokens: Sequence[int], block: int) -> list[bytes]:

@@ -12,7 +12,6 @@ from collections import deque
 import torch
 
 from common.protocol import SamplingParams
-from common.settings import Settings
 from worker import metrics
 from worker.core import StepOutput, StepResult
 from worker.hf.cache import all_plain, new_cache
@@ -31,7 +30,7 @@ log = logging.getLogger("worker")
 # decode step may take less: chunk_tokens); a GPU needs many tokens per forward to be busy.
 DEFAULT_BLOCK_CPU = 16
 DEFAULT_BLOCK_CUDA = 256
-DEFAULT_PREFIX_BYTES = Settings.prefix_cache_bytes
+DEFAULT_PREFIX_BYTES = 256 << 20  # in-process tests and benchmarks; a worker sizes its own (worker/prefix.py)
 
 
 class Engine:

@@ -153,7 +153,7 @@ def engine_arguments(settings: Settings, path: str, cuda: bool) -> dict[str, Any
         "model": path,
         "dtype": dtype(settings.worker_dtype, cuda),
         "enforce_eager": enforce_eager(settings.vllm_enforce_eager, cuda),
-        "enable_prefix_caching": settings.prefix_cache_bytes > 0,
+        "enable_prefix_caching": settings.prefix_cache_setting() != 0,
         "structured_outputs_config": {"backend": "guidance"},
         "max_logprobs": 20,
         "tensor_parallel_size": settings.vllm_tensor_parallel_size,
