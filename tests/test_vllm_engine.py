@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
+import gguf
 import pytest
 from llguidance import LLMatcher
 
@@ -16,7 +18,7 @@ from common.protocol import SamplingParams, Tool
 from common.settings import Settings, SettingsError
 from gateway.engine_limits import refusal
 from gateway.schemas import GenerateRequest
-from worker.engines import choose
+from worker.engines import choose, gguf_architecture
 from worker.vllm import model as vllm_model
 from worker.vllm.engine import DELIVERED, as_lark, resumed_biases, sampling_arguments
 
@@ -98,6 +100,27 @@ def test_auto_picks_vllm_only_with_a_gpu_and_vllm_installed() -> None:
     assert choose("auto", cuda=False, vllm_installed=True) == "hf"
     assert choose("vllm", cuda=False, vllm_installed=True) == "vllm"
     assert choose("sim", cuda=True, vllm_installed=True) == "sim"
+
+
+def test_auto_hosts_llama_cpp_for_a_gguf_architecture_the_own_kernels_do_not_serve() -> None:
+    assert choose("auto", False, False, "gemma3", llamacpp_installed=True) == "llamacpp"
+    assert choose("auto", False, False, "phi3", llamacpp_installed=True) == "llamacpp"
+    assert choose("auto", False, False, "gemma3", llamacpp_installed=False) == "hf"  # warned at load (paths.py)
+    for own in ("llama", "qwen2", "qwen3"):
+        assert choose("auto", False, False, own, llamacpp_installed=True) == "hf"
+    assert choose("auto", False, False, None, llamacpp_installed=True) == "hf"  # a transformers folder
+    assert choose("auto", True, True, "gemma3", llamacpp_installed=True) == "vllm"
+    assert choose("hf", False, False, "gemma3", llamacpp_installed=True) == "hf"
+
+
+def test_the_architecture_is_read_from_the_file_s_header(tmp_path: Path) -> None:
+    writer = gguf.GGUFWriter(str(tmp_path / "model.gguf"), "gemma3")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert gguf_architecture(Settings(model=str(tmp_path), model_file="model.gguf")) == "gemma3"
+    assert gguf_architecture(Settings(model=str(tmp_path), model_file="absent.gguf")) is None
 
 
 def test_vllm_engine_arguments_follow_our_settings() -> None:

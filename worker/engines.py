@@ -15,12 +15,35 @@ from worker.prefix import cache_bytes
 log = logging.getLogger("worker")
 
 
-def choose(setting: str, cuda: bool, vllm_installed: bool) -> str:
-    """ENGINE=auto is vLLM where a GPU is visible and vLLM is installed, the own engine elsewhere (on CPU it is
-    the faster of the two: README, benchmarks)."""
+# GGUF architectures (`general.architecture`) the own engine's kernels serve: the int8 layers and the file's blocks.
+OWN_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
+def choose(setting: str, cuda: bool, vllm_installed: bool, gguf_architecture: str | None = None,
+           llamacpp_installed: bool = False) -> str:
+    """ENGINE=auto is vLLM where a GPU is visible and vLLM is installed; on the CPU, llama.cpp for a GGUF file of an
+    architecture the own kernels do not serve (they would run it in float32, the file's size several times over)
+    where llama-cpp-python is installed; else the own engine (on CPU the fastest: README, benchmarks)."""
     if setting != "auto":
         return setting
-    return "vllm" if cuda and vllm_installed else "hf"
+    if cuda:
+        return "vllm" if vllm_installed else "hf"
+    if gguf_architecture is not None and gguf_architecture not in OWN_ARCHITECTURES and llamacpp_installed:
+        return "llamacpp"
+    return "hf"
+
+
+def gguf_architecture(settings: Settings) -> str | None:
+    """`general.architecture` of the GGUF file MODEL and MODEL_FILE name, if they name one."""
+    from worker.prompts import gguf_path
+
+    path = gguf_path(settings)
+    if path is None:
+        return None
+    import gguf
+
+    field = gguf.GGUFReader(path).get_field("general.architecture")
+    return field.contents() if field is not None else None
 
 
 def vllm_installed() -> bool:
@@ -91,6 +114,8 @@ BUILDERS: dict[str, Callable[[Settings], tuple[Model, Engine]]] = {"sim": _sim, 
 def build(settings: Settings) -> tuple[Model, Engine]:
     name = settings.engine
     if name == "auto":
-        name = choose(name, cuda_visible(), vllm_installed())
-        log.info("engine chosen", extra={"engine": name})
+        cuda = cuda_visible()
+        architecture = None if cuda else gguf_architecture(settings)
+        name = choose(name, cuda, vllm_installed(), architecture, llamacpp_installed())
+        log.info("engine chosen", extra={"engine": name, "architecture": architecture})
     return BUILDERS[name](settings)
