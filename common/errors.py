@@ -23,6 +23,7 @@ class ErrorCode(StrEnum):
     REQUEST_TIMEOUT = "request_timeout"
     QUEUE_FULL = "queue_full"
     KEY_LIMIT = "key_limit"
+    IDEMPOTENCY_CONFLICT = "idempotency_conflict"
     # Ended on the way: by the scheduler, a worker, or the gateway's delivery.
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     QUEUE_TIMEOUT = "queue_timeout"
@@ -61,6 +62,7 @@ _STATUS = {
     ErrorCode.HEADERS_TOO_LARGE: 431,
     ErrorCode.QUEUE_FULL: 429,
     ErrorCode.KEY_LIMIT: 429,
+    ErrorCode.IDEMPOTENCY_CONFLICT: 409,
     ErrorCode.CLIENT_TOO_SLOW: 408,
     # nginx's "client closed request": the request ended because nobody was left to read it.
     ErrorCode.CANCELLED: 499,

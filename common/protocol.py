@@ -319,6 +319,10 @@ class Keys:
         """Output tokens all gateways delivered in one second of Unix time (the cluster view's rate)."""
         return self._shared(f"tokens:{second}")
 
+    def idempotency(self, tenant: str, key_digest: str) -> str:
+        """An Idempotency-Key's claim: the request it names, per API key (gateway/idempotency.py)."""
+        return f"{self.ns}:idempotency:{{{tenant}:{key_digest}}}"
+
     def heartbeat(self, worker_id: str) -> str:
         """Shared tag: the services read every worker's heartbeat with one MGET."""
         return self._shared(f"worker:{worker_id}")

@@ -13,13 +13,13 @@ from fastapi.responses import JSONResponse, Response
 
 from common.errors import ErrorCode
 from common.protocol import Submit, Token
-from gateway import metrics
+from gateway import idempotency, metrics
 from gateway.bus import Bus
 from gateway.constraints import constraint_of
 from gateway.errors import ApiError
 from gateway.formats import EventResponse, Shape, chunk_events, usage
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, OpenAIFields
-from gateway.streams import collect, start
+from gateway.streams import gather, start
 from gateway.submits import bus_of, serving, stream_meta, submits_for
 
 router = APIRouter(prefix="/v1")
@@ -65,19 +65,25 @@ async def _prepare(request: Request, body: OpenAIFields, prompts: list[str | Non
 
 async def _respond(request: Request, body: OpenAIFields, chat: bool, submits: list[Submit]) -> Response:
     bus = bus_of(request)
-    meta = stream_meta(request, submits, "chat" if chat else "completion", body.model, body.n,
-                       body.include_usage())
+    claimed, stream = await idempotency.attach_or_claim(request, submits)
+    if stream is not None:  # a retry: the earlier request's stream, from its start
+        meta = stream.meta
+    else:
+        meta = stream_meta(request, submits, "chat" if chat else "completion", body.model, body.n,
+                           body.include_usage())
+        # A whole answer keeps a results log only where a retry may ask for it again.
+        stream = await idempotency.started(request, claimed, start(
+            bus, request, submits, meta if body.stream or claimed else None, stop_on_error=body.stream))
     shape = Shape.of(meta)
     if body.stream:
-        stream = await start(bus, request, submits, meta, stop_on_error=True)
         return EventResponse(stream, chunk_events(stream, shape, meta, body.continuous_usage()))
-    collected = await collect(bus, request, submits)
+    collected = await gather(request, stream)
     choices, dones = [], []
     for index, results in enumerate(collected):
         tokens = [r for r in results if isinstance(r, Token)]
         done = results[-1]
         dones.append(done)
-        choices.append(shape.choice(index, tokens, done.finish_reason, submits[index].request_id))
+        choices.append(shape.choice(index, tokens, done.finish_reason, meta.request_ids[index]))
     return JSONResponse({**shape.head(meta), "object": shape.object, "choices": choices,
                          "usage": usage(dones, body.n)}, headers={"X-Request-Id": meta.request_ids[0]})
 

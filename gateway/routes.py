@@ -8,10 +8,11 @@ from fastapi.responses import JSONResponse
 from common.errors import ErrorCode
 from common.protocol import Token
 from common.runtime import REDIS_ERRORS
+from gateway import idempotency
 from gateway.errors import ApiError
 from gateway.formats import EventResponse, done_fields, seed_events
 from gateway.schemas import GenerateRequest
-from gateway.streams import collect, start
+from gateway.streams import gather, start
 from gateway.submits import bus_of, serving, stream_meta, submits_for
 
 router = APIRouter()
@@ -22,18 +23,25 @@ async def generate_stream(body: GenerateRequest, request: Request) -> EventRespo
     if body.prompt is None:
         raise ApiError.of(ErrorCode.INVALID_VALUE, "/generate_stream takes one 'prompt'", "prompt")
     submits = await submits_for(request, body, body.prompt_list())
-    stream = await start(bus_of(request), request, submits, stream_meta(request, submits, "seed"))
+    claimed, stream = await idempotency.attach_or_claim(request, submits)
+    if stream is None:
+        stream = await idempotency.started(request, claimed, start(bus_of(request), request, submits,
+                                                                   stream_meta(request, submits, "seed")))
     return EventResponse(stream, seed_events(stream))
 
 
 @router.post("/generate", summary="Whole completions for one prompt or a list of prompts")
 async def generate(body: GenerateRequest, request: Request) -> JSONResponse:
     submits = await submits_for(request, body, body.prompt_list())
-    collected = await collect(bus_of(request), request, submits)
+    claimed, stream = await idempotency.attach_or_claim(request, submits)
+    if stream is None:  # a whole answer keeps a results log only where a retry may ask for it again
+        meta = stream_meta(request, submits, "seed") if claimed else None
+        stream = await idempotency.started(request, claimed, start(bus_of(request), request, submits, meta))
+    collected = await gather(request, stream)
     answers = []
-    for submit, results in zip(submits, collected, strict=True):
+    for request_id, results in zip(stream.request_ids, collected, strict=True):
         text = "".join(r.text for r in results if isinstance(r, Token))
-        answers.append({**done_fields(submit.request_id, results[-1]), "text": text})
+        answers.append({**done_fields(request_id, results[-1]), "text": text})
     return JSONResponse(answers[0] if body.prompt is not None else {"results": answers})
 
 

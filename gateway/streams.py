@@ -7,7 +7,7 @@ cancelled. The seed's routes and the OpenAI routes format its results (gateway/f
 resume (gateway/resume.py) opens the same object at the client's Last-Event-ID.
 
 `start` admits a request and waits for its first result before any header is sent, so that a
-request refused by the queue or the worker keeps its HTTP status; `collect` gathers whole answers."""
+request refused by the queue or the worker keeps its HTTP status; `gather` collects whole answers."""
 
 from __future__ import annotations
 
@@ -369,11 +369,11 @@ async def start(bus: Bus, request: Request, submits: list[Submit], meta: StreamM
     return stream
 
 
-async def collect(bus: Bus, request: Request, submits: list[Submit]) -> list[list[Result]]:
-    """Every result of every choice, in order; the first error ends it as an ApiError."""
-    stream = await start(bus, request, submits)
+async def gather(request: Request, stream: ResultStream) -> list[list[Result]]:
+    """Every result of every choice of an open stream, in order, then the stream closed; the first error ends it
+    as an ApiError. A client that leaves first leaves a stream that may be resumed to its lease."""
     try:
-        return await unless_disconnected(request, _gather(stream, len(submits)))
+        return await unless_disconnected(request, _gather(stream, len(stream.request_ids)))
     except ClientGone:
         await stream.close(client_left=True)
         raise

@@ -1,0 +1,145 @@
+"""Retries that do not run twice: `Idempotency-Key` on the generation routes. The first request with a key keeps its
+request_id under the key (per API key, with a digest of its route and body) for RESUME_TTL; a retry with the same
+key and body follows the first request's stream from its start, on any gateway (the resume machinery), or gets the
+same whole answer. The same key with another body is a 409 naming the header. A first request that fails before it
+runs, or was cancelled (its client left and nobody retried within RESUME_GRACE), leaves the key to the next try."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Awaitable
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from common.errors import ErrorCode
+from common.protocol import StreamMeta, Submit
+from gateway.errors import ApiError
+from gateway.streams import ResultStream
+from gateway.submits import bus_of, tenant_of
+
+HEADER = "Idempotency-Key"
+MAX_KEY = 255
+# How long a retry waits for the first request's stream to be admitted (it is, right after its claim).
+WAIT_FOR_FIRST_S = 5.0
+POLL_S = 0.05
+# Deletes a claim only if it is still the one this request made.
+_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+
+@dataclass
+class Claim:
+    """This request is the first with its key: it runs, and gives the key back if it cannot."""
+
+    key: str
+    value: str
+
+
+@dataclass
+class Retry:
+    """A retry of an earlier request: its stream, to follow from its start, and the claim that names it."""
+
+    meta: StreamMeta
+    held: Claim
+
+
+def requested_key(request: Request) -> str | None:
+    raw = request.headers.get(HEADER)
+    if raw is None:
+        return None
+    if not 0 < len(raw) <= MAX_KEY or not raw.isascii() or not raw.isprintable():
+        raise ApiError.of(ErrorCode.INVALID_VALUE, f"the {HEADER} header must be 1 to {MAX_KEY} printable ASCII "
+                          "characters", HEADER)
+    return raw
+
+
+async def attach_or_claim(request: Request, submits: list[Submit]) -> tuple[Claim | None, ResultStream | None]:
+    """(claim, None): `submits` are the first with the request's key (`release` it if they cannot run); (None,
+    stream): a retry, the earlier request's stream from its start; (None, None): no key, nothing kept."""
+    for _ in range(3):  # an earlier request found cancelled gives its key back, and this one claims it
+        outcome = await claim(request, submits)
+        if not isinstance(outcome, Retry):
+            return outcome, None
+        stream = await follow(request, outcome)
+        if stream is not None:
+            return None, stream
+        await release(request, outcome.held)
+    raise ApiError.of(ErrorCode.IDEMPOTENCY_CONFLICT, f"the request with this {HEADER} is being retried elsewhere; "
+                      "retry later", HEADER)
+
+
+async def claim(request: Request, submits: list[Submit]) -> Claim | Retry | None:
+    """Claim the request's Idempotency-Key for `submits`, or find the request that has it. None: no key, or streams
+    are not kept (RESUME_TTL=0), so nothing could be replayed: the request runs as any other."""
+    key = requested_key(request)
+    bus = bus_of(request)
+    if key is None or not bus.resumable:
+        return None
+    body = hashlib.sha256(request.url.path.encode() + b"\0" + await request.body()).hexdigest()
+    redis_key = bus.keys.idempotency(tenant_of(request) or "", hashlib.sha256(key.encode()).hexdigest())
+    value = f"{body} {submits[0].request_id}"
+    ttl_ms = int(bus.settings.resume_ttl * 1000)
+    for _ in range(2):  # a claim released between our SET and GET is taken on the second try
+        if await bus.redis.set(redis_key, value, nx=True, px=ttl_ms):
+            return Claim(redis_key, value)
+        held = await bus.redis.get(redis_key)
+        if held is None:
+            continue
+        held = held.decode() if isinstance(held, bytes) else held
+        held_body, _, head = held.partition(" ")
+        if held_body != body:
+            raise ApiError.of(ErrorCode.IDEMPOTENCY_CONFLICT, f"the {HEADER} was used with another body (or route) "
+                              "within RESUME_TTL; use a new key for a new request", HEADER)
+        meta = await _first_stream(request, head)
+        if meta is not None:
+            return Retry(meta, Claim(redis_key, held))
+        await release(request, Claim(redis_key, held))  # its gateway died before admitting it: nothing to follow
+    raise ApiError.of(ErrorCode.IDEMPOTENCY_CONFLICT, f"the request with this {HEADER} is still starting; retry "
+                      "later", HEADER)
+
+
+async def started(request: Request, claimed: Claim | None, starting: Awaitable[ResultStream]) -> ResultStream:
+    """The first request's stream as it starts; a start that fails (refused, its first result an error, its client
+    gone) gives the key back, so that a retry runs it anew."""
+    try:
+        return await starting
+    except BaseException:
+        if claimed is not None:
+            await release(request, claimed)
+        raise
+
+
+async def _first_stream(request: Request, head: str) -> StreamMeta | None:
+    """The first request's stream once it is admitted; None where it never was (its gateway died first)."""
+    bus = bus_of(request)
+    deadline = asyncio.get_running_loop().time() + WAIT_FOR_FIRST_S
+    while True:
+        meta = await bus.stream_meta(head)
+        if meta is not None or asyncio.get_running_loop().time() > deadline:
+            return meta
+        await asyncio.sleep(POLL_S)
+
+
+async def release(request: Request, held: Claim) -> bool:
+    """Give the key back (the request it names will not run, or was cancelled); whether it was still `held`."""
+    return bool(await bus_of(request).redis.eval(_RELEASE, 1, held.key, held.value))
+
+
+async def follow(request: Request, retry: Retry) -> ResultStream | None:
+    """The first request's stream from its start, replayed and held as a resume is; None where it was cancelled."""
+    bus = bus_of(request)
+    meta = retry.meta
+    stream = ResultStream(bus, meta.request_ids, meta, [-1] * len(meta.request_ids), stop_on_error=True)
+    try:
+        await stream.open()
+        await stream.replay()
+        if any(error.code == ErrorCode.CANCELLED for error in stream.errors.values()):
+            await stream.let_go()
+            return None
+        await stream.hold()
+    except BaseException:
+        await stream.let_go()
+        raise
+    request.state.request_id = meta.request_ids[0]
+    return stream
