@@ -133,6 +133,18 @@ def user_models(d: dict) -> tuple[str, Table]:
     return f"output tok/s over llama-server's at concurrency {slash(levels)}: {head}", table
 
 
+def user_models_long(d: dict) -> tuple[str, Table]:
+    phases = d["settings"]["phases"]
+    table = [["file", "server", *(f"TTFT p50, {phase}" for phase in phases)]]
+    for name, f in d["files"].items():
+        for server, medians in f["ttft_p50_s"].items():
+            table.append([name, server, *(ms(medians[phase]) for phase in phases)])
+    servers = " / ".join(next(iter(d["files"].values()))["ttft_p50_s"])
+    head = "; ".join(f"{name} {slash([ms(medians[phases[-1]]) for medians in f['ttft_p50_s'].values()])}"
+                     for name, f in d["files"].items())
+    return f"TTFT p50 of the same prompts sent again at c = 4, {servers}: {head}", table
+
+
 def prefix_cache(d: dict) -> tuple[str, Table]:
     summary = d["summary"]
     peer = any("llama-server" in figures for figures in summary.values())
@@ -563,6 +575,10 @@ RENDERERS: dict[str, tuple[str, Callable[[dict], tuple[str, Table]]]] = {
                     "files users download: the default model requantized by llama-quantize, and random weights in "
                     "public models' shapes made offline (`bench/user_models.py make`); 12-token prompts, 64 forced "
                     "tokens", user_models),
+    "user_models_long": ("time to first token of ~900-token prompts distinct from their first token: eight at c = 1, "
+                         "eight others at c = 4, then those eight again at c = 4; llmserve with its default prefix "
+                         "cache (`PREFIX_CACHE_BYTES=auto`) and the former default's 256 MiB, and llama-server "
+                         "(`--parallel 4`, 2048 tokens a slot)", user_models_long),
     "prefix_cache": ("time to first token with a shared ~1,000-token prefix, the prefix cache on and off",
                      prefix_cache),
     "chunked_prefill": ("inter-token latency of running streams while long prompts arrive (the target: a p99 at most "

@@ -87,6 +87,8 @@ class Submit(msgspec.Struct, tag="submit"):
     traceparent: str = ""
     # The model the client named: only a worker that answers to it runs the request ('': any worker).
     model: str = ""
+    # Lower runs first among its tenant's waiting requests (vLLM's meaning).
+    priority: int = 0
 
 
 class Cancel(msgspec.Struct, tag="cancel"):

@@ -23,6 +23,7 @@ MAX_TOKENS = UNTIL_CONTEXT_ENDS
 MAX_TIMEOUT = 86400.0
 # OpenAI's limits on logit_bias: so many entries, each bias within plus or minus this.
 MAX_LOGIT_BIAS = 300
+MAX_PRIORITY = 2**31 - 1
 LOGIT_BIAS_RANGE = 100.0
 
 
@@ -59,6 +60,8 @@ class SamplingFields(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     timeout: float | None = Field(None, gt=0, le=MAX_TIMEOUT, description="Seconds the request may wait in the "
                                   "queue.")
+    priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY, description="Lower runs first among the waiting "
+                          "requests of this API key (vLLM's meaning); it never overtakes another key's fair share.")
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS,
                                                 description="Token id (a string) to a bias added to its logit, "
                                                 "-100 to 100; -100 bans the token.")
@@ -110,7 +113,7 @@ class SamplingFields(BaseModel):
         wait = self.timeout or queue_timeout
         return Submit(new_request_id(), self.sampling(seed_offset, logprobs, grammar), prompt=prompt,
                       messages=messages, tools=tools or [], submitted_at=submitted,
-                      deadline=submitted + wait if wait else 0.0)
+                      deadline=submitted + wait if wait else 0.0, priority=self.priority)
 
 
 class GenerateRequest(SamplingFields):

@@ -5,7 +5,9 @@
 - Requests moved off a lost worker go first: their clients are already mid-stream.
 - Among the rest, the tenant with the fewest requests running goes next (ties: the oldest
   request first), so a flood from one tenant does not delay another's first token, and
-  one tenant never holds every slot: a few stay free for a newcomer.
+  one tenant never holds every slot: a few stay free for a newcomer. A lower `priority` (vLLM's
+  meaning) goes first within a tenant, and between tenants that run as many: it never buys more
+  than a tenant's fair share (without API keys every request is its own tenant, running none).
 - Each request goes to the worker with the most free slots, unless a worker that caches the
   request's prefix (by the text keys of common/prefix.py) has room and at least half as many
   free slots: a cache hit is worth a little imbalance, never a wait while another worker has
@@ -14,6 +16,8 @@
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -98,14 +102,20 @@ def tenant_cap(total_slots: int) -> int:
     return max(1, total_slots - max(1, total_slots // 8))
 
 
+# A tenant's waiting request as its heap orders it: lowest priority first, then the oldest (then the first added).
+Ranked = tuple[int, float, int, Queued]
+
+
 class WaitingQueue:
-    """The requests no worker has taken yet: the migrated lane, then one FIFO per model and tenant.
-    With `fair` off (SCHEDULING_POLICY=fifo) the requests of one model share one FIFO and no tenant is capped."""
+    """The requests no worker has taken yet: the migrated lane, then one queue per model and tenant, by priority
+    and age. With `fair` off (SCHEDULING_POLICY=fifo) the requests of one model share one queue and no tenant is
+    capped."""
 
     def __init__(self, fair: bool = True) -> None:
         self.fair = fair
         self.migrated: deque[Queued] = deque()
-        self.tenants: dict[tuple[str, str], deque[Queued]] = {}  # (model, tenant) -> its requests, oldest first
+        self.tenants: dict[tuple[str, str], list[Ranked]] = {}  # (model, tenant) -> a heap of its requests
+        self._added = itertools.count()
 
     def __len__(self) -> int:
         return len(self.migrated) + sum(len(q) for q in self.tenants.values())
@@ -113,7 +123,7 @@ class WaitingQueue:
     def __iter__(self) -> Iterator[Queued]:
         yield from self.migrated
         for queue in self.tenants.values():
-            yield from queue
+            yield from (ranked[-1] for ranked in queue)
 
     def depths(self) -> Counter[str]:
         """Requests waiting, by the model they name."""
@@ -122,8 +132,9 @@ class WaitingQueue:
     def add(self, item: Queued) -> None:
         if item.submit.migrations:
             self.migrated.append(item)
-        else:
-            self.tenants.setdefault((item.model, item.tenant if self.fair else ""), deque()).append(item)
+            return
+        ranked = (item.submit.priority, item.submit.submitted_at, next(self._added), item)
+        heapq.heappush(self.tenants.setdefault((item.model, item.tenant if self.fair else ""), []), ranked)
 
     def remove(self, request_id: str) -> Queued | None:
         for item in self:
@@ -146,13 +157,13 @@ class WaitingQueue:
             if placeable(item.model):
                 self.migrated.remove(item)
                 return item
-        ready = [(running[tenant], q[0].submit.submitted_at, tenant, model)
+        ready = [(running[tenant], q[0][:2], tenant, model)  # q[0][:2]: its first request's priority and age
                  for (model, tenant), q in self.tenants.items() if running[tenant] < cap and placeable(model)]
         if not ready:
             return None
         _, _, tenant, model = min(ready)
         queue = self.tenants[model, tenant]
-        item = queue.popleft()
+        item = heapq.heappop(queue)[-1]
         if not queue:
             del self.tenants[model, tenant]
         return item
@@ -163,8 +174,9 @@ class WaitingQueue:
             return
         self.migrated = deque(i for i in self.migrated if i.request_id not in ids)
         for key in list(self.tenants):
-            left = deque(i for i in self.tenants[key] if i.request_id not in ids)
+            left = [ranked for ranked in self.tenants[key] if ranked[-1].request_id not in ids]
             if left:
+                heapq.heapify(left)
                 self.tenants[key] = left
             else:
                 del self.tenants[key]

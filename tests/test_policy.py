@@ -9,9 +9,9 @@ LIMIT = 1 << 20
 
 
 def item(rid: str, tenant: str = "t", at: float = 0.0, size: int = 100, migrations: int = 0,
-         deadline: float = 0.0) -> Queued:
+         deadline: float = 0.0, priority: int = 0) -> Queued:
     submit = Submit(rid, SamplingParams(), prompt="p", submitted_at=at, tenant=tenant, migrations=migrations,
-                    deadline=deadline)
+                    deadline=deadline, priority=priority)
     return Queued(submit, rid.encode(), size)
 
 
@@ -123,3 +123,47 @@ def test_fifo_serves_in_arrival_order_with_no_cap() -> None:
         queue.add(queued)
     [(_, batch)] = plan(queue, [WorkerState("a", 16)], LIMIT)
     assert ids(batch) == [f"heavy{i}" for i in range(16)]
+
+
+def popped(queue: WaitingQueue, running: Counter[str] | None = None, cap: int = 100) -> list[str]:
+    order = []
+    while (next_item := queue.pop_next(running or Counter(), cap)) is not None:
+        order.append(next_item.request_id)
+    return order
+
+
+def test_within_a_tenant_the_lowest_priority_goes_first_then_the_oldest() -> None:
+    queue = queue_of(item("late", at=1, priority=5), item("old", at=2), item("urgent", at=3, priority=-1),
+                     item("new", at=4), item("same-time", at=4))
+    assert popped(queue) == ["urgent", "old", "new", "same-time", "late"]
+
+
+def test_priority_never_overtakes_another_tenant_s_fair_share() -> None:
+    queue = queue_of(item("a-urgent", tenant="a", at=1, priority=-100), item("b-lazy", tenant="b", at=2, priority=9))
+    assert popped(queue, Counter({"a": 3})) == ["b-lazy", "a-urgent"]  # b runs fewer: its turn first
+
+
+def test_between_tenants_that_run_as_many_the_lower_priority_goes_first() -> None:
+    """Without API keys every request is a tenant of its own, running none: priority orders them all."""
+    queue = queue_of(item("first", tenant="r1", at=1, priority=3), item("second", tenant="r2", at=2),
+                     item("third", tenant="r3", at=3, priority=-2))
+    assert popped(queue) == ["third", "second", "first"]
+
+
+def test_migrated_requests_still_go_before_any_priority() -> None:
+    queue = queue_of(item("urgent", priority=-9), item("moved", at=5, migrations=1, priority=9))
+    assert popped(queue) == ["moved", "urgent"]
+
+
+def test_under_fifo_priority_orders_every_tenant_s_requests() -> None:
+    queue = WaitingQueue(fair=False)
+    for queued in (item("a", tenant="x", at=1), item("b", tenant="y", at=2, priority=-1), item("c", tenant="z", at=3)):
+        queue.add(queued)
+    assert popped(queue) == ["b", "a", "c"]
+
+
+def test_removing_and_expiring_keep_the_priority_order() -> None:
+    queue = queue_of(*(item(f"r{i}", at=i, priority=-i % 3, deadline=100 if i == 4 else 0) for i in range(8)))
+    assert queue.remove("r2") is not None
+    assert [gone.request_id for gone in queue.expired(200)] == ["r4"]
+    assert popped(queue) == ["r0", "r3", "r6", "r5", "r1", "r7"]
