@@ -385,6 +385,15 @@ class Keys:
         """Counter of the encoded bytes of those requests: the queue is bounded in bytes too."""
         return self._shared("queued_bytes")
 
+    def quota(self, tenant: str) -> str:
+        """Hash of a tenant's quota window: the minute, its requests and its tokens (gateway/bus.py)."""
+        return self._shared(f"quota:{tenant}")
+
+    @property
+    def quotas(self) -> str:
+        """Hash of per-key quotas: tenant (an API key's digest) -> "requests_per_minute tokens_per_minute"."""
+        return self._shared("quotas")
+
     def in_flight(self, tenant: str) -> str:
         """Sorted set of a tenant's requests still queued or running, scored by when each stops counting."""
         return self._shared(f"inflight:{tenant}")

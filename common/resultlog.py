@@ -20,40 +20,10 @@ from typing import Any
 
 from redis.crc import key_slot
 
+from common import scripts
 from common.clients import is_cluster, routed
 from common.protocol import Keys
 from common.settings import Settings
-
-# KEYS: for each result, its request's results channel, progress list and results log (one slot: the
-# request's hash tag). ARGV: the publish command (PUBLISH, or SPUBLISH in a cluster), the log's expiry in ms
-# (0: no log), its bound in bytes, then for each result: encoded result, token id ('' for none: not a token,
-# or no progress).
-PUBLISH_RESULTS = """
-local publish, ttl, cap = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local arg = 4
-for k = 1, #KEYS, 3 do
-  local payload, token = ARGV[arg], ARGV[arg + 1]
-  arg = arg + 2
-  redis.call(publish, KEYS[k], payload)
-  if token ~= '' then redis.call('RPUSH', KEYS[k + 1], token) end
-  if ttl > 0 then
-    local log = KEYS[k + 2]
-    if redis.call('RPUSHX', log, payload) > 0 then
-      local held = (tonumber(redis.call('LINDEX', log, 0)) or 0) + #payload
-      -- Past the bound, an eighth of it goes at once, so that trimming is rare.
-      local keep = held > cap and cap - math.floor(cap / 8) or held
-      while held > keep and redis.call('LLEN', log) > 3 do
-        local oldest = redis.call('LPOP', log, 3)
-        held = held - #oldest[3]
-        redis.call('LPUSH', log, oldest[2], held)
-      end
-      redis.call('LSET', log, 0, held)
-      redis.call('PEXPIRE', log, ttl)
-    end
-  end
-end
-return 0
-"""
 
 # Entries before the results in a log: the byte count and the header.
 LOG_HEAD = 2
@@ -72,6 +42,6 @@ def publish_results(pipe: Any, keys: Keys, settings: Settings, results: Iterable
     for group in groups.values():
         names = [name for rid, _, _ in group for name in (keys.results(rid), keys.progress(rid), keys.log(rid))]
         # execute_command: redis-py's cluster pipeline has no eval() of its own.
-        pipe.execute_command("EVAL", PUBLISH_RESULTS, len(names), *names, *head,
+        pipe.execute_command("EVAL", scripts.PUBLISH_RESULTS, len(names), *names, *head,
                              *(part for _, payload, token in group for part in (payload, token)),
                              **(routed(pipe, names[0]) if cluster else {}))

@@ -42,6 +42,8 @@ class Settings:
     queue_timeout: float = 600.0
     api_keys: str = ""
     key_max_requests: int = 64
+    key_rpm: int = 0
+    key_tpm: int = 0
     client_buffer_bytes: int = 64 << 10
     max_header_bytes: int = 16384
     header_timeout: float = 10.0

@@ -11,6 +11,7 @@ from collections.abc import Awaitable
 
 from redis.asyncio.client import Pipeline
 
+from common import scripts
 from common.clients import async_client, is_cluster, parse_redis_url
 from common.errors import ErrorCode
 from common.protocol import (
@@ -53,58 +54,14 @@ SUBMIT_HEADROOM = 1024
 # run, so that the requests of a gateway that died unannounced stop counting some day.
 RUN_BOUND_SECONDS = 3600.0
 
-# Admission and publication in one atomic step: the bounds are exact under any burst, and all
-# choices of one HTTP request are admitted together or not at all. Every write comes after every
-# check, so a Redis at its memory limit (whose first write fails) is left as it was. A stream that
-# may be resumed gets its results logs (common/resultlog.py) and its lease (gateway/leases.py) here
-# too, before any worker can publish to it. In a cluster, a script touches one slot: the logs (each in
-# its request's slot) are created just before, and removed again if the request is refused.
-# KEYS: queued count, queued bytes, request stream, the tenant's in-flight set, leases, then the n logs
-# (none in a cluster). ARGV: max queue, max queue bytes, stream maxlen, key limit (0: none), seconds a
-# request counts against its key, n, the logs' expiry in ms (0: no logs), the lease in ms (0: none), the
-# header of the first log (the StreamMeta), then n request ids, then n payloads.
-_ADMIT = """
-local n = tonumber(ARGV[6])
-local ids, payloads = 10, 10 + n
-local size = 0
-for i = payloads, 9 + 2 * n do size = size + #ARGV[i] end
-local queued = tonumber(redis.call('GET', KEYS[1]) or '0')
-if queued > 0 and queued + n > tonumber(ARGV[1]) then return 'queue_full' end
-local queued_bytes = tonumber(redis.call('GET', KEYS[2]) or '0')
-if queued_bytes > 0 and queued_bytes + size > tonumber(ARGV[2]) then return 'queue_bytes' end
-local limit, log_ttl, lease = tonumber(ARGV[4]), tonumber(ARGV[7]), tonumber(ARGV[8])
-local now = 0
-if limit > 0 or lease > 0 then
-  local clock = redis.call('TIME')
-  now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
-end
-if limit > 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
-  if redis.call('ZCARD', KEYS[4]) + n > limit then return 'key_limit' end
-  local expiry = now + tonumber(ARGV[5])
-  for i = ids, payloads - 1 do redis.call('ZADD', KEYS[4], expiry, ARGV[i]) end
-  redis.call('EXPIREAT', KEYS[4], math.ceil(expiry))
-end
-redis.call('INCRBY', KEYS[1], n)
-redis.call('INCRBY', KEYS[2], size)
-for k = 6, #KEYS do
-  redis.call('RPUSH', KEYS[k], 0, k == 6 and ARGV[9] or '')
-  redis.call('PEXPIRE', KEYS[k], log_ttl)
-end
-if lease > 0 then redis.call('ZADD', KEYS[5], math.floor(now * 1000) + lease, ARGV[ids]) end
-for i = payloads, 9 + 2 * n do
-  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'm', ARGV[i])
-end
-return 'ok'
-"""
-
-
 class Refused(Exception):
-    """The request cannot be admitted now (or, for a size, ever); the code says which."""
+    """The request cannot be admitted now (or, for a size, ever); the code says which, and `retry_after` when
+    (seconds) it may be."""
 
-    def __init__(self, code: ErrorCode, message: str, param: str | None = None) -> None:
+    def __init__(self, code: ErrorCode, message: str, param: str | None = None,
+                 retry_after: int | None = None) -> None:
         super().__init__(message)
-        self.code, self.message, self.param = code, message, param
+        self.code, self.message, self.param, self.retry_after = code, message, param, retry_after
 
 
 POOL_CONNECTIONS = 64
@@ -128,8 +85,8 @@ class Bus:
                           settings.client_buffer_bytes) if self.cluster
             else ResultRouter(settings.redis_url, self.keys, self.limit, settings.client_buffer_bytes))
         self.leases = Leases(self.redis, self.keys, settings, self._lapsed)
-        keyed = any(key.strip() for key in settings.api_keys.split(","))
-        self.key_limit = settings.key_max_requests if keyed else 0
+        self.keyed = any(key.strip() for key in settings.api_keys.split(","))
+        self.key_limit = settings.key_max_requests if self.keyed else 0
         # Streams may be resumed: they keep a results log in Redis.
         self.resumable = settings.resume_ttl > 0
         self._workers: tuple[float, list[Heartbeat]] = (0.0, [])
@@ -180,11 +137,13 @@ class Bus:
             self._stamp(pipe, submit.request_id, "received", model=submit.model)
         # Plain EVAL: Redis caches the compiled script, and unlike a registered Script in a
         # pipeline it costs no SCRIPT EXISTS round trip per request.
-        keys = [self.keys.queued, self.keys.queued_bytes, self.keys.requests, self.keys.in_flight(submits[0].tenant),
-                self.keys.leases, *([] if self.cluster else logs)]
-        pipe.eval(_ADMIT, len(keys), *keys,
+        tenant = submits[0].tenant
+        keys = [self.keys.queued, self.keys.queued_bytes, self.keys.requests, self.keys.in_flight(tenant),
+                self.keys.leases, self.keys.quota(tenant), self.keys.quotas, *([] if self.cluster else logs)]
+        pipe.eval(scripts.ADMIT, len(keys), *keys,
                   self.settings.max_queue, self.settings.max_queue_bytes, REQUEST_STREAM_MAXLEN, self.key_limit,
                   self._wait_seconds(submits) + RUN_BOUND_SECONDS, len(submits), log_ttl, lease, header,
+                  "1" if self.keyed else "0", self.settings.key_rpm, self.settings.key_tpm, tenant,
                   *(s.request_id for s in submits), *payloads)
         # A failed trace stamp must not fail an admitted request: only the script's answer counts.
         *_, verdict = await pipe.execute(raise_on_error=False)
@@ -225,6 +184,14 @@ class Bus:
 
     def _refusal(self, verdict: str) -> Refused:
         settings = self.settings
+        kind, _, rest = verdict.partition(":")
+        if kind in ("rpm", "tpm"):
+            quota, _, wait = rest.partition(":")
+            what = "requests" if kind == "rpm" else "tokens (prompt and completion)"
+            metrics.QUOTA_REFUSED.labels(kind).inc()
+            return Refused(ErrorCode.RATE_LIMITED, f"this API key has used its {quota} {what} per minute "
+                           f"({'KEY_RPM' if kind == 'rpm' else 'KEY_TPM'} or its own quota); retry in {wait} s",
+                           retry_after=int(wait))
         if verdict == "key_limit":
             return Refused(ErrorCode.KEY_LIMIT, f"this API key has {self.key_limit} requests queued or running "
                            "(KEY_MAX_REQUESTS); retry when one ends")
@@ -306,6 +273,11 @@ class Bus:
                 pipe = self.redis.pipeline(transaction=False)
                 publish_results(pipe, self.keys, self.settings, [(rid, payload, "")])
                 await pipe.execute()
+
+    async def spend(self, tenant: str, tokens: int) -> None:
+        """Count `tokens` in the key's quota window (keys on only: without them a tenant is one request)."""
+        if self.keyed and tokens > 0:
+            await self.redis.eval(scripts.SPEND, 1, self.keys.quota(tenant), tokens)
 
     def _settle(self, pipe: Pipeline, request_ids: list[str], tenant: str) -> None:
         """The stream needs nothing more: no lease, and its requests stop counting against their key."""

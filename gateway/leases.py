@@ -16,35 +16,13 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from common import scripts
 from common.clients import is_cluster
 from common.protocol import Keys
 from common.runtime import REDIS_ERRORS, stop_task
 from common.settings import Settings
 
 log = logging.getLogger("gateway")
-
-# Extend the leases of the streams this gateway's clients read, and keep their logs (a choice that ended
-# early must outlive its siblings). XX: a lease already lapsed and claimed is not brought back.
-# KEYS: leases, then the logs (none in a cluster, where each is in its request's slot: they are extended by
-# PEXPIRE beside the script). ARGV: lease ms, log ttl ms, then the stream ids.
-_EXTEND = """
-local clock = redis.call('TIME')
-local until_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000) + tonumber(ARGV[1])
-for i = 3, #ARGV do redis.call('ZADD', KEYS[1], 'XX', until_ms, ARGV[i]) end
-if tonumber(ARGV[2]) > 0 then
-  for k = 2, #KEYS do redis.call('PEXPIRE', KEYS[k], ARGV[2]) end
-end
-return 0
-"""
-
-# Claim the lapsed leases: whoever removes one cancels its stream. KEYS: leases. ARGV: most to claim.
-_CLAIM = """
-local clock = redis.call('TIME')
-local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now_ms, 'LIMIT', 0, tonumber(ARGV[1]))
-if #due > 0 then redis.call('ZREM', KEYS[1], unpack(due)) end
-return due
-"""
 
 CLAIM_BATCH = 256
 LONGEST_INTERVAL = 1.0
@@ -94,10 +72,10 @@ class Leases:
         logs = [self.keys.log(rid) for rid in request_ids] if self.log_ttl_ms else []
         keys = [self.keys.leases, *([] if self.cluster else logs)]
         if not self.cluster or not logs:
-            await self.redis.eval(_EXTEND, len(keys), *keys, self.grace_ms, self.log_ttl_ms, *heads)
+            await self.redis.eval(scripts.EXTEND_LEASES, len(keys), *keys, self.grace_ms, self.log_ttl_ms, *heads)
             return
         pipe = self.redis.pipeline(transaction=False)
-        pipe.eval(_EXTEND, len(keys), *keys, self.grace_ms, self.log_ttl_ms, *heads)
+        pipe.eval(scripts.EXTEND_LEASES, len(keys), *keys, self.grace_ms, self.log_ttl_ms, *heads)
         for log_key in logs:
             pipe.pexpire(log_key, self.log_ttl_ms)
         await pipe.execute()
@@ -108,7 +86,7 @@ class Leases:
             try:
                 held = dict(self.held)
                 await self.extend(list(held), [rid for ids in held.values() for rid in ids])
-                lapsed = await self.redis.eval(_CLAIM, 1, self.keys.leases, CLAIM_BATCH)
+                lapsed = await self.redis.eval(scripts.CLAIM_LEASES, 1, self.keys.leases, CLAIM_BATCH)
                 if lapsed:
                     await self.on_lapsed([head.decode() for head in lapsed])
             except (*REDIS_ERRORS, OSError) as exc:

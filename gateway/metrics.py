@@ -69,6 +69,8 @@ SLOW_CLIENTS = Counter("llmserve_gateway_slow_clients_total",
                        "HTTP requests cancelled because their client stopped reading past CLIENT_BUFFER_BYTES")
 DETACHED = Counter("llmserve_gateway_detached_streams_total",
                    "Streams whose client left, left running for RESUME_GRACE in case it comes back")
+QUOTA_REFUSED = Counter("llmserve_gateway_quota_refused_total",
+                        "Requests refused by an API key's requests or tokens per minute", ["kind"])
 RESUMED = Counter("llmserve_gateway_resumed_streams_total", "Streams resumed here (GET /v1/requests/{id}/stream)")
 ABANDONED = Counter("llmserve_gateway_abandoned_streams_total",
                     "Streams cancelled here because nobody resumed them within RESUME_GRACE (or their gateway died)")

@@ -100,6 +100,7 @@ class ResultStream:
             self.retry_ms = max(min(RETRY_MS, bus.leases.grace_ms // 2), 1)
         self.started = time.monotonic()
         self.last_at = [self.started] * choices
+        self.spent = 0  # tokens delivered here, and the prompts of choices that ended here: the key's quota
 
     @property
     def head(self) -> str:
@@ -263,6 +264,7 @@ class ResultStream:
         if not self.resumed:
             (metrics.ITL if token.index else metrics.TTFT).observe(clock - self.last_at[choice])
         self.last_at[choice] = clock
+        self.spent += 1
         metrics.TOKENS_OUT.inc()
         self.bus.throughput.add(1)
 
@@ -271,6 +273,7 @@ class ResultStream:
             return
         metrics.E2E.observe(time.monotonic() - self.started)
         if isinstance(result, Done):
+            self.spent += result.prompt_tokens
             metrics.TOKENS_IN.inc(result.prompt_tokens)
             metrics.QUEUE.observe(result.queue_s)
 
@@ -329,6 +332,9 @@ class ResultStream:
             if ending is not None:
                 with contextlib.suppress(*REDIS_ERRORS, OSError):
                     await ending
+            if self.spent:
+                with contextlib.suppress(*REDIS_ERRORS, OSError):
+                    await self.bus.spend(self.tenant, self.spent)
 
     def pending(self) -> list[str]:
         return [rid for rid, ended in zip(self.request_ids, self.ended, strict=True) if not ended]
@@ -358,7 +364,10 @@ async def start(bus: Bus, request: Request, submits: list[Submit], meta: StreamM
         _, first = await unless_disconnected(request, stream.first())
     except Refused as refused:
         await stream.let_go()
-        raise ApiError.of(refused.code, refused.message, refused.param) from None
+        error = ApiError.of(refused.code, refused.message, refused.param)
+        if refused.retry_after is not None:
+            error.headers = {"Retry-After": str(refused.retry_after)}
+        raise error from None
     except BaseException:
         await stream.cancel(Error(ErrorCode.CANCELLED, "the request was cancelled: its client left before its "
                                   "first result"))

@@ -1,4 +1,4 @@
-"""`llmserve up | status | bench | gateway | scheduler | worker`."""
+"""`llmserve up | status | bench | quota | gateway | scheduler | worker`."""
 
 from __future__ import annotations
 
@@ -42,6 +42,11 @@ def main() -> None:
                                 description="Fixed concurrency or Poisson arrivals; TTFT, ITL, end-to-end "
                                             "latency and throughput per load level; JSON and a PNG plot.")
     add_bench_arguments(bench)
+    quota = commands.add_parser("quota", help="an API key's own requests and tokens per minute (in Redis)")
+    quota.add_argument("key", help="one of API_KEYS")
+    quota.add_argument("--rpm", type=int, help="requests per minute (0: unlimited)")
+    quota.add_argument("--tpm", type=int, help="prompt and completion tokens per minute (0: unlimited)")
+    quota.add_argument("--clear", action="store_true", help="back to KEY_RPM and KEY_TPM")
     commands.add_parser("gateway", help="run the HTTP gateway")
     commands.add_parser("scheduler", help="run the scheduler")
     commands.add_parser("worker", help="run one model worker")
@@ -58,6 +63,13 @@ def main() -> None:
         raise SystemExit(show_status(args.url))
     if args.command == "bench":
         raise SystemExit(run_bench(args))
+    if args.command == "quota":
+        from llmserve.quota import quota as set_quota
+
+        if any(v is not None and v < 0 for v in (args.rpm, args.tpm)):
+            raise SystemExit("llmserve quota: --rpm and --tpm must not be negative")
+        print(set_quota(args.key, args.rpm, args.tpm, args.clear))
+        return
     if args.command == "gateway":
         from gateway.app import main as run
     elif args.command == "scheduler":

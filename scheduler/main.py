@@ -19,6 +19,7 @@ from collections import Counter
 
 import redis
 
+from common import scripts
 from common.clients import sync_client
 from common.errors import ErrorCode
 from common.protocol import (
@@ -55,14 +56,6 @@ log = logging.getLogger("scheduler")
 
 # One consumer name for every replica: a new leader reads its predecessor's pending entries.
 CONSUMER = "scheduler"
-
-# Take the lease if it is free, or extend it if it is ours. KEYS: lease. ARGV: our id, ttl ms.
-_LEASE = """
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
-if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('PEXPIRE', KEYS[1], ARGV[2]) return 1 end
-return 0
-"""
-
 
 class Scheduler:
     def __init__(self, settings: Settings) -> None:
@@ -118,7 +111,8 @@ class Scheduler:
                 self.redis.set(self.keys.clean_exit, self.id, px=int(self.settings.worker_ttl * 10_000))
 
     def _hold_lease(self) -> bool:
-        return bool(self.redis.eval(_LEASE, 1, self.keys.lease, self.id, int(self.settings.worker_ttl * 1000)))
+        ttl_ms = int(self.settings.worker_ttl * 1000)
+        return bool(self.redis.eval(scripts.LEADER_LEASE, 1, self.keys.lease, self.id, ttl_ms))
 
     def _take_over(self) -> None:
         self._reset()

@@ -25,7 +25,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from common.clients import async_client, parse_redis_url, sync_client
 from common.errors import ErrorCode
 from common.protocol import Done, Error, Keys, Token, encode
-from common.resultlog import PUBLISH_RESULTS, publish_results
+from common.resultlog import publish_results
+from common.scripts import PUBLISH_RESULTS
 from common.settings import Settings, SettingsError
 from gateway.shards import ShardedRouter
 from llmserve.launcher import PrivateStack, free_port, private_stack, wait_until
