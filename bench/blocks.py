@@ -19,9 +19,9 @@ import torch  # noqa: E402
 
 from bench.decode_step import parse_and_load, write_levels  # noqa: E402
 from common.settings import Settings  # noqa: E402
-from worker.hf.cache import new_cache  # noqa: E402
-from worker.hf.forward import Part, forward_parts  # noqa: E402
-from worker.hf.model import load_model  # noqa: E402
+from worker.own.cache import new_cache  # noqa: E402
+from worker.own.forward import Part, forward_parts  # noqa: E402
+from worker.own.model import load_model  # noqa: E402
 from worker.weights.blocks import BlockLinear  # noqa: E402
 from worker.weights.quant import Int8Linear  # noqa: E402
 

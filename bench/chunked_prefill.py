@@ -28,7 +28,7 @@ from llmserve.bench.run import Level, run_level  # noqa: E402
 from llmserve.bench.stats import describe  # noqa: E402
 from llmserve.bench.workload import Lengths, make_jobs  # noqa: E402
 from llmserve.launcher import private_stack  # noqa: E402
-from worker.hf.planner import DEFAULT_CHUNK  # noqa: E402
+from worker.own.planner import DEFAULT_CHUNK  # noqa: E402
 
 STREAMS = 16
 # mode -> (PREFILL_BLOCK, PREFILL_CHUNK); "0" block: the worker's default

@@ -179,7 +179,7 @@ else "", "| transformers", transformers.__version__)'
   fi
   # Each service's imports, each in its own process as it runs.
   local service
-  for service in gateway.app scheduler.main "worker.main worker.hf.engine bench.cuda_engine"; do
+  for service in gateway.app scheduler.main "worker.main worker.own.engine bench.cuda_engine"; do
     # shellcheck disable=SC2086  # a service is a list of modules
     # shellcheck disable=SC2086  # a service is a list of modules
     timeout 60 "$PY" - $service <<'EOF'
@@ -194,7 +194,7 @@ for name in sys.argv[1:]:
             print(f"    {package} {getattr(found, '__version__', '')} {os.path.dirname(found.__file__)}")
 if "worker.main" in sys.argv:
     from common.settings import Settings
-    from worker.hf.model import _device_and_dtype
+    from worker.own.model import _device_and_dtype
     print("  the worker's device and dtype:", *_device_and_dtype(Settings.from_env()))
 EOF
   done

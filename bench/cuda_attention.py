@@ -23,8 +23,8 @@ from bench.cuda_engine import started_record  # noqa: E402
 from bench.provenance import write_results  # noqa: E402
 from common.protocol import ChatMessage, SamplingParams, Submit  # noqa: E402
 from common.settings import Settings  # noqa: E402
-from worker.hf.engine import Engine  # noqa: E402
-from worker.hf.model import LoadedModel, load_model  # noqa: E402
+from worker.own.engine import Engine  # noqa: E402
+from worker.own.model import LoadedModel, load_model  # noqa: E402
 
 PARAMS = SamplingParams(max_tokens=64, temperature=0, top_p=1, top_k=0, ignore_eos=True)
 

@@ -71,7 +71,7 @@ def write(args: argparse.Namespace, part: str, started: dict[str, object], resul
 
 
 def load(settings: Settings):
-    from worker.hf.model import load_model
+    from worker.own.model import load_model
 
     begun = time.perf_counter()
     loaded = load_model(settings)
@@ -99,7 +99,7 @@ def run_engine(loaded, arrivals: dict[int, list[tuple[str, list[int], SamplingPa
                ) -> dict[str, list[int]]:
     """Step a fresh engine to its end, adding each (request id, prompt ids, params) at its step; each request's
     tokens."""
-    from worker.hf.engine import Engine
+    from worker.own.engine import Engine
 
     engine = Engine(loaded, slots)
     tokens: dict[str, list[int]] = {}
@@ -120,7 +120,7 @@ def hf_generate(loaded, prompts: list[list[int]], new_tokens: int):
     ignore_eos does (min_new_tokens): each row's tokens, and its raw logits at each step [rows, steps, vocab]."""
     import torch
 
-    from worker.hf.sequences import left_padded
+    from worker.own.sequences import left_padded
 
     pad = loaded.eos_token_ids[0]
     ids, mask = left_padded(prompts, pad, loaded.device)
@@ -217,7 +217,7 @@ def correctness(args: argparse.Namespace) -> int:
     baseline = max((g for g in gaps["hf_batch"] if g is not None), default=0.0)
     dtype = next(loaded.model.parameters()).dtype
     limit = args.gap_limit if args.gap_limit is not None else (1.0 if dtype != torch.float32 else 0.05)
-    from worker.hf.engine import Engine
+    from worker.own.engine import Engine
 
     engine = Engine(loaded, 1)
     path_checks = {"device": str(device), "dtype": str(dtype), "weights": loaded.weights,
@@ -263,7 +263,7 @@ def correctness(args: argparse.Namespace) -> int:
 def decode(args: argparse.Namespace) -> int:
     import torch
 
-    from worker.hf.engine import Engine
+    from worker.own.engine import Engine
 
     started = started_record()
     settings = Settings.from_env()

@@ -1,7 +1,7 @@
 """Where an int8 decode step's time goes: the int8 kernel calls inside the step, against the whole step.
 
 A decode step reads every int8 weight once, and every row's float32 keys and values. This bench times the
-step of the default model (the worker's own forward, worker/hf/forward.py) at a few batch sizes, and inside it
+step of the default model (the worker's own forward, worker/own/forward.py) at a few batch sizes, and inside it
 the time spent in fbgemm's int8 calls (by torch's profiler, over separate steps), then the host's memory
 read bandwidth (a sum over a buffer much larger than the caches). The kernels' share bounds what a leaner
 forward could gain; the bytes read over the bandwidth bound what any forward of these weights and this cache
@@ -28,9 +28,9 @@ from transformers import DynamicCache  # noqa: E402
 import worker.weights.quant as quant  # noqa: E402
 from bench.provenance import provenance, write_results  # noqa: E402
 from common.settings import Settings  # noqa: E402
-from worker.hf.cache import new_cache  # noqa: E402
-from worker.hf.forward import Part, forward_parts  # noqa: E402
-from worker.hf.model import load_model  # noqa: E402
+from worker.own.cache import new_cache  # noqa: E402
+from worker.own.forward import Part, forward_parts  # noqa: E402
+from worker.own.model import load_model  # noqa: E402
 
 KERNEL = "quantized::linear_with_input_q_dq_qweight_dq_output_fp32"
 

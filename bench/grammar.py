@@ -29,9 +29,9 @@ from bench.provenance import provenance, write_results  # noqa: E402
 from common import grammar  # noqa: E402
 from common.protocol import SamplingParams  # noqa: E402
 from common.settings import Settings  # noqa: E402
-from worker.hf import engine as engine_module  # noqa: E402
-from worker.hf.engine import Engine  # noqa: E402
-from worker.hf.model import LoadedModel, load_model  # noqa: E402
+from worker.own import engine as engine_module  # noqa: E402
+from worker.own.engine import Engine  # noqa: E402
+from worker.own.model import LoadedModel, load_model  # noqa: E402
 
 # A schema that keeps rows generating for the whole measured stretch.
 LONG = {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string", "maxLength": 60},

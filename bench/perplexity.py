@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.provenance import provenance, write_results  # noqa: E402
 from common.settings import Settings  # noqa: E402
-from worker.hf.model import LoadedModel, load_model  # noqa: E402
+from worker.own.model import LoadedModel, load_model  # noqa: E402
 from worker.prompts import bundled_gguf  # noqa: E402
 from worker.weights.quant import quantize_int8  # noqa: E402
 

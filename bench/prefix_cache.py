@@ -31,7 +31,7 @@ from llmserve.bench.client import Sampling, Target  # noqa: E402
 from llmserve.bench.run import HEADER, Level, discover_model, format_row, run_level  # noqa: E402
 from llmserve.bench.workload import Lengths, make_jobs  # noqa: E402
 from llmserve.launcher import free_port, private_stack  # noqa: E402
-from worker.hf.engine import DEFAULT_PREFIX_BYTES  # noqa: E402
+from worker.own.engine import DEFAULT_PREFIX_BYTES  # noqa: E402
 from worker.prompts import bundled_gguf  # noqa: E402
 
 MODES = {"on": str(DEFAULT_PREFIX_BYTES), "off": "0"}

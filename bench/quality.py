@@ -29,9 +29,9 @@ sys.path.insert(0, str(ROOT))
 from bench.provenance import provenance, write_results  # noqa: E402
 from common.protocol import SamplingParams  # noqa: E402
 from common.settings import Settings  # noqa: E402
-from worker.hf.engine import Engine  # noqa: E402
-from worker.hf.model import LoadedModel, load_model  # noqa: E402
-from worker.hf.sequences import left_padded  # noqa: E402
+from worker.own.engine import Engine  # noqa: E402
+from worker.own.model import LoadedModel, load_model  # noqa: E402
+from worker.own.sequences import left_padded  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?",

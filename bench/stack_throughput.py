@@ -33,7 +33,7 @@ from llmserve.bench.client import Sampling, Target  # noqa: E402
 from llmserve.bench.run import Level, run_level  # noqa: E402
 from llmserve.bench.workload import Job  # noqa: E402
 from llmserve.launcher import private_stack  # noqa: E402
-from worker.hf.model import LoadedModel, load_model  # noqa: E402
+from worker.own.model import LoadedModel, load_model  # noqa: E402
 from worker.weights.quant import Int8Linear  # noqa: E402
 
 PROMPTS = [

@@ -49,7 +49,7 @@ from common.settings import Settings
 from common.telemetry import serve_metrics, setup_logging
 from common.trace import stamp
 from common.tracing import Tracing
-from scheduler import metrics, vllm_metrics
+from scheduler import compat_metrics, metrics
 from scheduler.policy import BATCH_OVERHEAD, Queued, WaitingQueue, WorkerState, fits_a_batch, model_figures, plan
 
 log = logging.getLogger("scheduler")
@@ -81,7 +81,7 @@ class Scheduler:
         # A standby or a demoted leader shows no work: only the leader's gauges count.
         for gauge in (metrics.WAITING, metrics.WORKERS, metrics.FREE_SLOTS):
             gauge.set(0)
-        vllm_metrics.set_models({})
+        compat_metrics.set_models({})
 
     def run(self) -> None:
         backoff = Backoff()
@@ -396,7 +396,7 @@ class Scheduler:
         show zeros."""
         figures = model_figures(self.queue.depths(), Counter(self.model_of.values()),
                                 [w.models for w in self.workers.values()])
-        vllm_metrics.set_models(figures)
+        compat_metrics.set_models(figures)
         pipe = self.redis.pipeline(transaction=False)
         pipe.delete(self.keys.models)
         if figures:

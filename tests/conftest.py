@@ -26,8 +26,8 @@ if TYPE_CHECKING:  # torch, the model and the SDKs load only where a test asks f
     from transformers import PreTrainedTokenizerBase
 
     from worker.core import StepOutput
-    from worker.hf.engine import Engine
-    from worker.hf.model import LoadedModel
+    from worker.own.engine import Engine
+    from worker.own.model import LoadedModel
 
 
 # Modules of vLLM in-process tests: `make test` runs them with .venv-vllm's pytest; the main venv leaves them out
@@ -181,7 +181,7 @@ def sim_stack(workers: int = 1, gateways: int = 1, redis: str = "single", **sett
 
 
 def _load(**settings: object) -> LoadedModel:
-    from worker.hf.model import load_model
+    from worker.own.model import load_model
 
     return load_model(Settings(worker_threads=1, **settings))
 

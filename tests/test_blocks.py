@@ -16,9 +16,9 @@ import torch.nn.functional as F
 
 from common.settings import Settings
 from tests.conftest import native_kernels
-from worker.hf.cache import new_cache, select_rows
-from worker.hf.forward import Part, forward_parts
-from worker.hf.model import LoadedModel, load_model
+from worker.own.cache import new_cache, select_rows
+from worker.own.forward import Part, forward_parts
+from worker.own.model import LoadedModel, load_model
 from worker.prompts import bundled_gguf
 from worker.weights import native
 from worker.weights.blocks import Q4_1, Q8_0, BlockError, BlockLinear, BlockLlamaLayer, FileTensor, quantize_blocks
@@ -281,6 +281,6 @@ def test_the_settings_fail_or_fall_back_as_documented(monkeypatch: pytest.Monkey
     assert any("blocks cannot serve" in r.getMessage() for r in caplog.records)
     with pytest.raises(ValueError, match="WORKER_QUANT must be auto, gguf, int8 or none"):
         load_model(Settings(worker_quant="q4"))
-    monkeypatch.setattr("worker.hf.model.gguf_path", lambda settings: None)
+    monkeypatch.setattr("worker.own.model.gguf_path", lambda settings: None)
     with pytest.raises(ValueError, match="WORKER_QUANT=gguf needs a local GGUF file"):
         load_model(Settings(worker_quant="gguf"))

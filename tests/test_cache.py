@@ -1,4 +1,4 @@
-"""The KV caches (worker/hf/cache.py): the roomy one holds the same contents as transformers' concatenating layer,
+"""The KV caches (worker/own/cache.py): the roomy one holds the same contents as transformers' concatenating layer,
 through the engine's own edits of a batch, with decode steps written in place; the ragged one holds each
 row's own tokens, unpadded, through joins and leaves that copy nothing but the newcomer."""
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 from transformers.cache_utils import DynamicLayer
 
-from worker.hf.cache import ROOM, RoomyLayer, block, join, new_cache, row_cache, select_rows, stacked_cache
+from worker.own.cache import ROOM, RoomyLayer, block, join, new_cache, row_cache, select_rows, stacked_cache
 
 
 def step(batch: int, tokens: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,8 +8,8 @@ from common.protocol import SamplingParams
 from tests.conftest import run_engine
 from worker.core import PromptTooLong
 from worker.detokenizer import Detokenizer
-from worker.hf.engine import Engine
-from worker.hf.model import LoadedModel
+from worker.own.engine import Engine
+from worker.own.model import LoadedModel
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 PROMPTS = {

@@ -2,7 +2,7 @@
 seam, run against each engine on the real default model. A new engine (SGLang, ...) joins by adding a case to
 ENGINES and passing this module.
 
-- hf: the own engine (worker/hf/engine.py), on the model as a worker loads it;
+- hf: the own engine (worker/own/engine.py), on the model as a worker loads it;
 - vllm: vLLM's engine in-process (worker/vllm/engine.py), eager, a small context, one start for the module; it
   runs where vLLM is installed: `make test` runs these cases with .venv-vllm's pytest (`-m vllm`);
 - llamacpp: llama.cpp's library hosted in-process (worker/llamacpp/engine.py) on the default model's GGUF file; it
@@ -59,7 +59,7 @@ class Subject:
 
 
 def _hf(request: pytest.FixtureRequest) -> Iterator[Subject]:
-    from worker.hf.engine import Engine as OwnEngine
+    from worker.own.engine import Engine as OwnEngine
 
     loaded = request.getfixturevalue("loaded")  # the session's model (tests/conftest.py)
     yield Subject("hf", loaded, OwnEngine(loaded, 8))

@@ -1,4 +1,4 @@
-"""worker/hf/forward.py on the real default model as a worker loads it (the GGUF file's blocks where the compiled
+"""worker/own/forward.py on the real default model as a worker loads it (the GGUF file's blocks where the compiled
 kernels build, else int8): a decode step and a prefill block in one pass give each the logits and the cache
 entries of its own forward through transformers, bit for bit; so do several blocks in one forward."""
 
@@ -9,9 +9,9 @@ import dataclasses
 import pytest
 import torch
 
-from worker.hf.cache import new_cache
-from worker.hf.forward import Part, causal_mask, forward_parts
-from worker.hf.model import LoadedModel, pick_rows
+from worker.own.cache import new_cache
+from worker.own.forward import Part, causal_mask, forward_parts
+from worker.own.model import LoadedModel, pick_rows
 from worker.weights.quant import takes_blocks_together
 
 
@@ -73,7 +73,7 @@ def test_a_block_after_cached_tokens_sees_them_and_the_tokens_before_it_only() -
 
 
 def test_blocks_in_one_forward_are_each_block_s_own_forward_bit_for_bit(loaded: LoadedModel) -> None:
-    """A prefill step may take several blocks of a group in one forward (worker/hf/engine.py): every number of a
+    """A prefill step may take several blocks of a group in one forward (worker/own/engine.py): every number of a
     token, its logits and its keys and values, is the one its own block's forward gives, whether the blocks
     start after cached tokens or not, and past 256 keys (the attention's runs)."""
     if not takes_blocks_together(loaded.model):

@@ -16,9 +16,9 @@ from common import grammar
 from common.protocol import SamplingParams
 from tests.conftest import run_engine
 from worker.core import GrammarError
-from worker.hf.engine import Engine
-from worker.hf.grammar import Grammars
-from worker.hf.model import LoadedModel
+from worker.own.engine import Engine
+from worker.own.grammar import Grammars
+from worker.own.model import LoadedModel
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0, "maximum": 130},

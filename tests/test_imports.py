@@ -60,9 +60,9 @@ def test_no_module_reaches_itself_through_its_imports():
 
 # Lower rooms import nothing of the rooms above them: the model paths and kernels serve the own engine and know
 # nothing of it; the text side and the engine seam serve every engine.
-BELOW = {"worker.weights": ("worker.hf", "worker.llamacpp", "worker.vllm", "worker.main"),
-         "worker.output": ("worker.hf", "worker.llamacpp", "worker.vllm"),
-         "worker.core": ("worker.hf", "worker.llamacpp", "worker.vllm")}
+BELOW = {"worker.weights": ("worker.own", "worker.llamacpp", "worker.vllm", "worker.main"),
+         "worker.output": ("worker.own", "worker.llamacpp", "worker.vllm"),
+         "worker.core": ("worker.own", "worker.llamacpp", "worker.vllm")}
 
 
 def upward(edges: dict[str, set[str]]) -> list[str]:
@@ -76,20 +76,20 @@ def test_no_arrow_runs_back_up():
 
 def test_the_check_sees_an_arrow_back_up():
     edges = graph()
-    edges["worker.weights.blocks"].add("worker.hf.cache")  # the arrow this check was written after
-    assert upward(edges) == ["worker.weights.blocks -> worker.hf.cache"]
+    edges["worker.weights.blocks"].add("worker.own.cache")  # the arrow this check was written after
+    assert upward(edges) == ["worker.weights.blocks -> worker.own.cache"]
 
 
 def test_the_check_sees_a_circle():
     edges = graph()
-    edges["worker.weights.quant"].add("worker.hf.cache")  # the circle this check was written after
-    edges["worker.hf.cache"].add("worker.weights.quant")
+    edges["worker.weights.quant"].add("worker.own.cache")  # the circle this check was written after
+    edges["worker.own.cache"].add("worker.weights.quant")
     with pytest.raises(graphlib.CycleError):
         list(graphlib.TopologicalSorter(edges).static_order())
 
 
-@pytest.mark.parametrize("first", ["worker.weights.quant", "worker.hf.cache", "worker.weights.paths",
-                                   "scheduler.vllm_metrics", "llmserve.topology", "common.settings"])
+@pytest.mark.parametrize("first", ["worker.weights.quant", "worker.own.cache", "worker.weights.paths",
+                                   "scheduler.compat_metrics", "llmserve.topology", "common.settings"])
 def test_a_module_imports_first_in_a_fresh_process(first):
     """Each module that was once in a circle imports on its own, before anything else of ours."""
     done = subprocess.run([sys.executable, "-c", f"import {first}"], cwd=ROOT, capture_output=True, text=True,

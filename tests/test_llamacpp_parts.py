@@ -11,9 +11,9 @@ from transformers import AutoTokenizer
 from common.protocol import SamplingParams
 from common.settings import Settings
 from worker.core import PromptTooLong
-from worker.hf.sampling import Logprobs
 from worker.llamacpp.cmake_args import cmake_args
 from worker.output import OutputProcessor
+from worker.own.sampling import Logprobs
 from worker.prompts import source
 
 AVX2_HOST = "processor\t: 0\nflags\t\t: fpu sse4_2 avx avx2 bmi2 fma f16c\n"

@@ -14,9 +14,9 @@ from torch import nn
 
 from common.settings import Settings, SettingsError
 from tests.conftest import native_kernels
-from worker.hf.cache import new_cache
-from worker.hf.forward import Part, forward_parts
-from worker.hf.model import LoadedModel
+from worker.own.cache import new_cache
+from worker.own.forward import Part, forward_parts
+from worker.own.model import LoadedModel
 from worker.weights import native, scripted
 from worker.weights.quant import Int8Linear, Int8LlamaLayer, use_native
 from worker.weights.rotation import InputRotation
@@ -350,7 +350,7 @@ def test_a_failed_build_falls_back_or_stops_the_worker(monkeypatch: pytest.Monke
 def test_a_hit_s_blocks_join_into_the_cache_as_the_torch_join_puts_them(monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import LlamaConfig
 
-    from worker.hf.cache import stacked_cache
+    from worker.own.cache import stacked_cache
     config = LlamaConfig(num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
     torch.manual_seed(3)
     rows = [[torch.randn(3, 2, 2, 16, 16) for _ in range(3)],

@@ -20,9 +20,9 @@ from llmserve.bench.workload import Lengths, make_jobs
 from scheduler.policy import EXPECTED_LIMIT, EXPECTED_TTL, Queued, WaitingQueue, WorkerState, choose, plan
 from tests.conftest import RunningStack, run_engine, wait_for
 from worker.core import StepOutput
-from worker.hf.engine import Engine
-from worker.hf.model import LoadedModel
-from worker.hf.planner import ATTENTION_KEYS_PER_TOKEN, DEFAULT_CHUNK, IDLE_PASS_TOKENS, MIN_CHUNK_TOKENS, chunk_tokens
+from worker.own.engine import Engine
+from worker.own.model import LoadedModel
+from worker.own.planner import ATTENTION_KEYS_PER_TOKEN, DEFAULT_CHUNK, IDLE_PASS_TOKENS, MIN_CHUNK_TOKENS, chunk_tokens
 from worker.prefix import AUTO_FLOOR, AUTO_SHARE, HeldPrefixes, PrefixStore, available_bytes, block_digests, cache_bytes
 
 SCORED = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)

@@ -12,9 +12,9 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from common.protocol import SamplingParams
 from common.settings import Settings
 from tests.conftest import run_engine
-from worker.hf.engine import Engine
-from worker.hf.model import LoadedModel, load_model
-from worker.hf.sequences import left_padded
+from worker.own.engine import Engine
+from worker.own.model import LoadedModel, load_model
+from worker.own.sequences import left_padded
 from worker.weights.quant import ROWWISE_ATTENTION, Int8Linear, Int8LlamaLayer, quantize_int8
 
 QUESTIONS = ["What is the capital of France?", "Write a Python function that adds two numbers.",

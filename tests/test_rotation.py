@@ -12,7 +12,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from common.settings import Settings
-from worker.hf.model import load_model
+from worker.own.model import load_model
 from worker.weights.quant import quantize_int8
 from worker.weights.rotation import InputRotation, hadamard, orthogonal, rotate_residual
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from worker.hf.forward import Part, causal_mask
+from worker.own.forward import Part, causal_mask
 from worker.weights import scripted
 from worker.weights.quant import Int8Linear
 from worker.weights.rotation import hadamard

@@ -29,9 +29,9 @@ from transformers import (
 
 from common.settings import Settings
 from tests.conftest import native_kernels
-from worker.hf.cache import new_cache
-from worker.hf.forward import Part, forward_parts
-from worker.hf.model import load_model
+from worker.own.cache import new_cache
+from worker.own.forward import Part, forward_parts
+from worker.own.model import load_model
 from worker.prompts import bundled_gguf
 from worker.weights import paths, transcode
 from worker.weights.blocks import BlockError, BlockLinear, BlockLlamaLayer, FileTensor, quantize_blocks, read_tensors

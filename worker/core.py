@@ -1,5 +1,5 @@
 """The seam between the worker loop and an engine, free of torch: what a step returns and what the
-loop may ask of an engine and a model. `worker/hf/engine.py` (the model) and `worker/sim.py`
+loop may ask of an engine and a model. `worker/own/engine.py` (the model) and `worker/sim.py`
 (ENGINE=sim, no torch) both implement it."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from common.errors import ErrorCode
 from common.grammar import GrammarError as GrammarError
 from common.protocol import Detokenize, SamplingParams, Submit, Tokenize, TokenLogprob, Tokens
 
-# "mixed": a decode step that also carried a prefill chunk (worker/hf/engine.py)
+# "mixed": a decode step that also carried a prefill chunk (worker/own/engine.py)
 StepKind = Literal["prefill", "decode", "mixed", "idle"]
 
 

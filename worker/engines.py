@@ -72,8 +72,8 @@ def _sim(settings: Settings) -> tuple[Model, Engine]:
 
 def _hf(settings: Settings) -> tuple[Model, Engine]:
     # Imported here: an ENGINE=sim worker never loads torch.
-    from worker.hf.engine import Engine as ModelEngine
-    from worker.hf.model import load_model
+    from worker.own.engine import Engine as ModelEngine
+    from worker.own.model import load_model
 
     static = _static(settings)
     loaded = load_model(settings)

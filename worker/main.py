@@ -43,7 +43,7 @@ from common.settings import Settings
 from common.telemetry import serve_metrics, setup_logging
 from common.trace import stamp
 from common.tracing import Tracing
-from worker import engines, metrics, vllm_metrics
+from worker import compat_metrics, engines, metrics
 from worker.core import Engine, GrammarError, Model, PromptTooLong, StepOutput, StepResult
 
 log = logging.getLogger("worker")
@@ -250,7 +250,7 @@ class Worker:
         metrics.RUNNING.set(self.engine.running_count)
         metrics.WAITING.set(self.engine.waiting_count)
         metrics.KV_CACHE_TOKENS.set(self.engine.cache_positions)
-        vllm_metrics.observe_step(self.names[0], self.engine, self.engine.slots, self.loaded.max_length)
+        compat_metrics.observe_step(self.names[0], self.engine, self.engine.slots, self.loaded.max_length)
         self._publish(result, elapsed)
 
     def _admit(self, batch: Batch) -> None:
@@ -386,7 +386,7 @@ class Worker:
             self.tracing.end(timing.span, error=str(detail.get("code", "")), **{"llmserve.outcome": hop}, **{
                 f"llmserve.{name}": value for name, value in detail.items()})
         metrics.FINISHED.labels(hop).inc()
-        vllm_metrics.released(self.names[0], hop, detail.get("reason"))
+        compat_metrics.released(self.names[0], hop, detail.get("reason"))
         self._stamp(pipe, request_id, hop, worker_id=self.id, **detail)
         pipe.delete(self.keys.progress(request_id))
         event = Finished(self.id, request_id)

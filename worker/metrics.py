@@ -21,7 +21,7 @@ PREFIX_QUERIED = Counter("llmserve_worker_prefix_cache_queried_tokens_total",
 PREFIX_HITS = Counter("llmserve_worker_prefix_cache_hit_tokens_total",
                       "Prompt tokens whose keys and values came from the prefix cache instead of a forward")
 PREFIX_BYTES = Gauge("llmserve_worker_prefix_cache_bytes", "Bytes of keys and values the prefix cache holds")
-# vLLM's names for the same two counts, labelled by model (the rest of vLLM's are in worker/vllm_metrics.py).
+# vLLM's names for the same two counts, labelled by model (the rest of vLLM's are in worker/compat_metrics.py).
 VLLM_PREFIX_QUERIES = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache (vLLM's "
                               "name)", ["model_name"])
 VLLM_PREFIX_HITS = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (vLLM's name)",

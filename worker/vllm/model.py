@@ -31,7 +31,7 @@ DONE_MARK = "llmserve-converted"
 @dataclass
 class VllmModel(Prompts):
     """What the worker loop asks of a model under ENGINE=vllm: the same prompts, chat template and
-    /tokenize answers as the own engine's (worker/hf/model.py's Prompts), from the tokenizer vLLM loads."""
+    /tokenize answers as the own engine's (worker/own/model.py's Prompts), from the tokenizer vLLM loads."""
 
     name: str
     path: str  # the Hugging Face directory (or hub id) vLLM serves

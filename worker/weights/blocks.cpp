@@ -568,7 +568,7 @@ at::Tensor block_mlp_residual(const at::Tensor& x, const at::Tensor& attended, c
   return h.add_(block_linear(mixed, down_proj, width, std::nullopt, 0.0));
 }
 
-// A whole decoder layer over one ragged cache (worker/hf/cache.py), in one call instead of a dozen from Python: x
+// A whole decoder layer over one ragged cache (worker/own/cache.py), in one call instead of a dozen from Python: x
 // [rows, length, width] through RMSNorm and the fused q, k, v product, the rotary heads, the cache write and each
 // row's attention, then o_proj, the MLP and both residuals. The same calls in the same order as the layer's
 // Python forward (worker/weights/quant.py), so the same bits.

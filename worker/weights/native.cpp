@@ -602,7 +602,7 @@ void copy_rows(at::TensorList key_buffers, at::TensorList value_buffers, at::Int
 
 // A prefix-cache hit's blocks (each [layers, 2 (keys, values), heads, tokens, dim], contiguous) one after another
 // into row `row` of every layer's keys and values ([rows, heads, room, dim], contiguous), the layers shared among
-// the threads: worker/hf/cache.py's stacked_cache without a tensor per block and layer.
+// the threads: worker/own/cache.py's stacked_cache without a tensor per block and layer.
 void join_blocks(at::TensorList blocks, at::TensorList keys, at::TensorList values, int64_t row) {
   const int64_t layers = static_cast<int64_t>(keys.size());
   TORCH_CHECK(!blocks.empty() && static_cast<int64_t>(values.size()) == layers,

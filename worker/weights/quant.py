@@ -205,7 +205,7 @@ class RowwiseLlamaLayer(nn.Module):
 
     def forward_parts(self, hidden: list[torch.Tensor], rope: list[tuple[torch.Tensor, torch.Tensor]],
                       masks: list[torch.Tensor | None], caches: list[Cache]) -> list[torch.Tensor]:
-        """Several forwards in one pass (worker/hf/forward.py): part i is hidden[i] ([rows, length, width]) with
+        """Several forwards in one pass (worker/own/forward.py): part i is hidden[i] ([rows, length, width]) with
         the rotary factors rope[i] (`rotary_factors`) over caches[i]. Their rows go side by side through every
         int8 call, and each part attends over its own cache, so each part's result is the one its own forward
         gives, bit for bit."""
@@ -227,7 +227,7 @@ class RowwiseLlamaLayer(nn.Module):
         query, key, value = heads(qkv, rows, length, self.head_dim, self.q_heads, self.kv_heads, cos, signed_sin)
         if self.native and cache is not None and attending(cache.layers[self.layer_idx]):
             # A ragged row has no padding: token i of the part sees its row's cache and the part up to i, which
-            # is what the mask says (worker/hf/forward.py's causal_mask)
+            # is what the mask says (worker/own/forward.py's causal_mask)
             return cache.layers[self.layer_idx].write_and_attend(query, key, value, self.scaling)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx, {"native": self.native})

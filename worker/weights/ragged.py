@@ -2,7 +2,7 @@
 row has buffers of its own with room, and its own length; a forward writes every row's new tokens with one call,
 and attention gets each row's own keys and values (views, no padding). Rows join and leave without any copy; a
 row that outgrows its room is copied alone, into twice the room. It lives beside the kernels that attend over
-it (native.cpp, blocks.cpp); worker/hf/cache.py makes and reshapes caches of it for the engine."""
+it (native.cpp, blocks.cpp); worker/own/cache.py makes and reshapes caches of it for the engine."""
 
 from __future__ import annotations
 

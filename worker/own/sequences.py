@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from worker.hf.cache import join, pad_left, select_rows, trim_left
 from worker.output import SequenceText
+from worker.own.cache import join, pad_left, select_rows, trim_left
 
 
 @dataclass

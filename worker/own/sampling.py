@@ -14,8 +14,8 @@ import torch
 from common.protocol import SamplingParams
 
 if TYPE_CHECKING:
-    from worker.hf.grammar import Grammars
     from worker.output import SequenceText
+    from worker.own.grammar import Grammars
 
 log = logging.getLogger("worker")
 

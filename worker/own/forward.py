@@ -22,7 +22,7 @@ from worker.weights.quant import rotary_factors
 class Part:
     ids: torch.Tensor  # [rows, length]
     positions: torch.Tensor  # [rows, length]
-    cache: DynamicCache  # ragged (worker/hf/cache.py): rows side by side, every row `depth` tokens before these
+    cache: DynamicCache  # ragged (worker/own/cache.py): rows side by side, every row `depth` tokens before these
     depth: int = 0
     last: torch.Tensor | None = None  # [rows]: which token's logits each row wants (None: its last)
 

@@ -1,5 +1,5 @@
 """The own engine's forwards: a prefill group's chunk, the running batch's decode step, or both in one pass (the
-int8 Llama, worker/hf/forward.py); the blocks a chunk completes put into the prefix cache; a row whose prompt is
+int8 Llama, worker/own/forward.py); the blocks a chunk completes put into the prefix cache; a row whose prompt is
 done cut out as a batch of its own, a migrated one first fed the tokens it had delivered."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from collections.abc import Callable
 import torch
 
 from worker import metrics
-from worker.hf.cache import ROOM, block, new_cache, row_cache, stacked_cache
-from worker.hf.forward import Part, forward_parts
-from worker.hf.model import LoadedModel
-from worker.hf.sequences import PrefillGroup, RunningBatch, Sequence
+from worker.own.cache import ROOM, block, new_cache, row_cache, stacked_cache
+from worker.own.forward import Part, forward_parts
+from worker.own.model import LoadedModel
+from worker.own.sequences import PrefillGroup, RunningBatch, Sequence
 from worker.prefix import PrefixStore
 
 
@@ -82,7 +82,7 @@ class Runner:
         return logits
 
     def _forward(self, part: Part, mask: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """`part`'s logits: through the int8 Llama's own forward (worker/hf/forward.py), else transformers' with
+        """`part`'s logits: through the int8 Llama's own forward (worker/own/forward.py), else transformers' with
         the attention mask `mask` makes (a padded cache's)."""
         if self.ragged:
             return forward_parts(self.loaded.model, [part])[0]

@@ -1,6 +1,6 @@
 """Who prefills when, in the own engine: waiting sequences join prefill groups at the depth of their cached prefix
 as slots allow, the groups take turns, and each step's kind and chunk size follow from what runs. Pure policy
-over the waiting queue and the groups; worker/hf/runner.py computes what it picks (docs/engine.md says why)."""
+over the waiting queue and the groups; worker/own/runner.py computes what it picks (docs/engine.md says why)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from common.settings import Settings
 from worker.core import StepKind
-from worker.hf.sequences import PrefillGroup, Sequence
+from worker.own.sequences import PrefillGroup, Sequence
 from worker.prefix import PrefixStore
 
 DEFAULT_CHUNK = Settings.prefill_chunk
@@ -31,7 +31,7 @@ def chunk_tokens(chunk: int, depth: int) -> int:
 
 @dataclass(frozen=True)
 class Shape:
-    """What the model's kernels allow a step (worker/hf/engine.py finds it out): `mixes`, a prefill chunk in the
+    """What the model's kernels allow a step (worker/own/engine.py finds it out): `mixes`, a prefill chunk in the
     decode step's forward; `exact_blocks`, groups of several rows padded to whole blocks; `blocks_together`, a
     forward of several blocks computing each token as its block's own forward would."""
 
