@@ -6,7 +6,11 @@ Everything it must not lose lives in Redis, so a restarted (or standby) schedule
 picks up where the last one stopped: requests stay pending on the stream until
 dispatched, each worker's assignments sit in a hash, and the tokens delivered
 for each running request in a list. A lost worker's requests go back on the
-stream with those tokens, to continue on another worker."""
+stream with those tokens, to continue on another worker.
+
+This module is the service's loop: the leader lease and taking over from a predecessor, consuming both streams,
+expiry and dispatch. The workers it sees and what happens to a lost one are scheduler/roster.py's; what it writes
+of a request's fate, scheduler/outcomes.py's; who runs next, scheduler/policy.py's."""
 
 from __future__ import annotations
 
@@ -23,7 +27,6 @@ from common import scripts
 from common.clients import sync_client
 from common.errors import ErrorCode
 from common.protocol import (
-    DEAD_LETTER_MAXLEN,
     INBOX_MAXLEN,
     PAYLOAD,
     REQUEST_STREAM_MAXLEN,
@@ -31,11 +34,9 @@ from common.protocol import (
     WORKER_KEYS_TTL_SECONDS,
     Batch,
     Cancel,
-    Error,
     Finished,
     Handoff,
     Keys,
-    ProtocolError,
     RequestMessage,
     Returned,
     Submit,
@@ -43,14 +44,14 @@ from common.protocol import (
     encode,
     now,
 )
-from common.resultlog import publish_results
-from common.runtime import REDIS_ERRORS, Backoff, decode_or_drop, parse_heartbeats, redis_trouble, service_id
+from common.runtime import REDIS_ERRORS, Backoff, decode_or_drop, redis_trouble, service_id
 from common.settings import Settings
 from common.telemetry import serve_metrics, setup_logging
-from common.trace import stamp
 from common.tracing import Tracing
 from scheduler import compat_metrics, metrics
-from scheduler.policy import BATCH_OVERHEAD, Queued, WaitingQueue, WorkerState, fits_a_batch, model_figures, plan
+from scheduler.outcomes import Outcomes
+from scheduler.policy import BATCH_OVERHEAD, Queued, WaitingQueue, fits_a_batch, model_figures, plan
+from scheduler.roster import Roster
 
 log = logging.getLogger("scheduler")
 
@@ -67,17 +68,15 @@ class Scheduler:
         self.id = service_id()
         self.stopping = False
         self.first_take_over = True
+        self.outcomes = Outcomes(self.keys, settings)
         self._reset()
 
     def _reset(self) -> None:
         """Forget everything held in memory; `_take_over` rebuilds it from Redis."""
         self.leading = False
         self.queue = WaitingQueue(fair=self.settings.scheduling_policy == "fair")
-        self.workers: dict[str, WorkerState] = {}
-        self.model_of: dict[str, str] = {}  # request_id -> its model, while a worker runs it
-        self.next_refresh = 0.0
-        self.next_renewal = 0.0  # of the live workers' keys' expiry
-        self.swept = False  # for the keys of workers that left while no scheduler led
+        self.roster = Roster(self.redis, self.keys, self.settings, self.outcomes,
+                             lambda: self._consume({self.keys.events: ">"}, block_ms=None))
         # A standby or a demoted leader shows no work: only the leader's gauges count.
         for gauge in (metrics.WAITING, metrics.WORKERS, metrics.FREE_SLOTS):
             gauge.set(0)
@@ -154,24 +153,24 @@ class Scheduler:
             payload = found[0][1].get(PAYLOAD) if found else None
             message = decode_or_drop(payload, RequestMessage, self.limit, log, "a poisoned entry", entry=entry_id)
             if isinstance(message, Submit):
-                self._dead_letter(pipe, message, "it was pending when the scheduler died, repeatedly")
-                self._leave_queue(pipe, [Queued(message, entry_id, len(payload))])
+                self.outcomes.dead_letter(pipe, message, "it was pending when the scheduler died, repeatedly")
+                self.outcomes.leave_queue(pipe, [Queued(message, entry_id, len(payload))])
             else:
-                self._ack(pipe, self.keys.requests, [entry_id])
+                self.outcomes.ack(pipe, self.keys.requests, [entry_id])
         pipe.execute()
 
     def _tick(self) -> None:
         self._consume({self.keys.requests: ">", self.keys.events: ">"},
                       block_ms=int(self.settings.heartbeat_interval * 1000))
-        if now() >= self.next_refresh:
-            self._refresh_workers()
-            self._tend_worker_keys()
+        if now() >= self.roster.next_refresh:
+            self.roster.refresh()
+            self.roster.tend_keys()
             self._expire()
             self._publish_models()
         self._dispatch()
         metrics.WAITING.set(len(self.queue))
-        metrics.WORKERS.set(len(self.workers))
-        metrics.FREE_SLOTS.set(sum(w.free for w in self.workers.values()))
+        metrics.WORKERS.set(len(self.roster.workers))
+        metrics.FREE_SLOTS.set(sum(w.free for w in self.roster.workers.values()))
 
     def _consume(self, streams: dict[str, str | bytes], block_ms: int | None) -> list:
         """Read both streams; everything the entries cause goes to Redis in one pipeline. A failure
@@ -186,12 +185,12 @@ class Scheduler:
             elif entries:
                 for _entry_id, fields in entries:
                     self._on_event(pipe, fields or {}, handoffs)
-                self._ack(pipe, self.keys.events, [entry_id for entry_id, _ in entries])
+                self.outcomes.ack(pipe, self.keys.events, [entry_id for entry_id, _ in entries])
         pipe.execute()
         # After the pipeline: a handed-off worker's requests that finished first must not move.
         for worker_id in handoffs:
-            self.workers.pop(worker_id, None)
-            self._lose(worker_id)
+            self.roster.workers.pop(worker_id, None)
+            self.roster.lose(worker_id)
         return replies
 
     def _guarded(self, pipe: redis.client.Pipeline, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
@@ -199,9 +198,9 @@ class Scheduler:
                                  entry=entry_id)
         try:
             if message is None:
-                self._ack(pipe, self.keys.requests, [entry_id])
+                self.outcomes.ack(pipe, self.keys.requests, [entry_id])
             elif isinstance(message, Cancel):
-                self._ack(pipe, self.keys.requests, [entry_id])
+                self.outcomes.ack(pipe, self.keys.requests, [entry_id])
                 self._cancel(pipe, message)
             else:
                 self._on_submit(pipe, Queued(message, entry_id, len(fields[PAYLOAD])))
@@ -209,27 +208,18 @@ class Scheduler:
             log.exception("a request failed the scheduler; set aside", extra={"entry": entry_id})
             if isinstance(message, Submit):
                 self.queue.remove(message.request_id)
-                self._dead_letter(pipe, message, "it raised in the scheduler")
-                self._leave_queue(pipe, [Queued(message, entry_id, len(fields[PAYLOAD]))])
-
-    def _ack(self, pipe: redis.client.Pipeline, stream: str, entry_ids: list[bytes]) -> None:
-        """Acknowledge and delete: a consumed entry keeps nothing in Redis."""
-        if entry_ids:
-            pipe.xack(stream, SCHEDULER_GROUP, *entry_ids)
-            pipe.xdel(stream, *entry_ids)
-
-    def _stamp(self, pipe: redis.client.Pipeline, request_id: str, hop: str, **detail: str | int | float) -> None:
-        stamp(pipe, self.keys, request_id, hop, "scheduler", self.settings.trace_ttl, **detail)
+                self.outcomes.dead_letter(pipe, message, "it raised in the scheduler")
+                self.outcomes.leave_queue(pipe, [Queued(message, entry_id, len(fields[PAYLOAD]))])
 
     def _on_submit(self, pipe: redis.client.Pipeline, item: Queued) -> None:
         rid = item.request_id
         if not fits_a_batch(item.size, self.limit):
-            self._leave_queue(pipe, [item])
-            self._fail(pipe, rid, ErrorCode.REQUEST_TOO_LARGE,
+            self.outcomes.leave_queue(pipe, [item])
+            self.outcomes.fail(pipe, rid, ErrorCode.REQUEST_TOO_LARGE,
                        f"the request is {item.size} bytes on the bus; at most {self.limit - BATCH_OVERHEAD} fit")
             return
         self.queue.add(item)
-        self._stamp(pipe, rid, "queued", waiting=len(self.queue), migrations=item.submit.migrations)
+        self.outcomes.stamp(pipe, rid, "queued", waiting=len(self.queue), migrations=item.submit.migrations)
         log.info("queued", extra={"request_id": rid, "waiting": len(self.queue), "tenant": item.tenant,
                                   "migrations": item.submit.migrations})
 
@@ -237,12 +227,12 @@ class Scheduler:
         rid = cancel.request_id
         queued = self.queue.remove(rid)
         if queued:
-            self._leave_queue(pipe, [queued])
+            self.outcomes.leave_queue(pipe, [queued])
             pipe.delete(self.keys.progress(rid))
-            self._stamp(pipe, rid, "cancelled", where="queue")
+            self.outcomes.stamp(pipe, rid, "cancelled", where="queue")
             log.info("cancelled while queued", extra={"request_id": rid})
             return
-        for worker in self.workers.values():
+        for worker in self.roster.workers.values():
             if rid in worker.assigned:
                 pipe.xadd(self.keys.inbox(worker.worker_id), {PAYLOAD: encode(cancel, self.limit)})
                 pipe.expire(self.keys.inbox(worker.worker_id), WORKER_KEYS_TTL_SECONDS)
@@ -258,10 +248,10 @@ class Scheduler:
         if not isinstance(event, Finished | Returned):
             return
         pipe.hdel(self.keys.assigned(event.worker_id), event.request_id)
-        worker = self.workers.get(event.worker_id)
+        worker = self.roster.workers.get(event.worker_id)
         if worker:
             worker.assigned.pop(event.request_id, None)
-        self.model_of.pop(event.request_id, None)
+        self.roster.model_of.pop(event.request_id, None)
 
     def _returned(self, pipe: redis.client.Pipeline, event: Returned) -> None:
         """A worker refused a request for a model it does not serve: queued again as it was, counted in again
@@ -273,7 +263,7 @@ class Scheduler:
             return
         log.warning("returned by its worker", extra={"request_id": submit.request_id, "model": submit.model,
                                                      "worker_id": event.worker_id, "reason": event.reason})
-        worker = self.workers.get(event.worker_id)
+        worker = self.roster.workers.get(event.worker_id)
         if worker is not None and submit.model:
             worker.models = worker.models - {submit.model} or frozenset({""})
         if not submit.migrations:
@@ -281,121 +271,12 @@ class Scheduler:
             pipe.incrby(self.keys.queued_bytes, len(payload))
         pipe.xadd(self.keys.requests, {PAYLOAD: payload}, maxlen=REQUEST_STREAM_MAXLEN, approximate=True)
 
-    def _refresh_workers(self) -> None:
-        self.next_refresh = now() + self.settings.heartbeat_interval
-        ids = sorted(member.decode() for member in self.redis.smembers(self.keys.workers))
-        beats = parse_heartbeats(ids, self.redis.mget([self.keys.heartbeat(i) for i in ids]) if ids else [],
-                                 self.limit, log)
-        gone = [worker_id for worker_id, beat in beats.items() if beat is None] + sorted(self.workers.keys() - set(ids))
-        if gone:
-            # A worker writes the Finished events of its last step before it leaves: read them now, after its
-            # leaving was seen, so that what finished just before is released, not moved and run again.
-            self._consume({self.keys.events: ">"}, block_ms=None)
-        for worker_id in gone:
-            self._lose(worker_id)
-        alive: dict[str, WorkerState] = {}
-        for worker_id, beat in beats.items():
-            if beat is None:
-                continue
-            state = self.workers.get(worker_id) or self._joined(worker_id, beat.slots)
-            state.draining = beat.draining
-            state.prefixes = frozenset(beat.prefixes)
-            state.models = frozenset(beat.serves())
-            alive[worker_id] = state
-        self.workers = alive
-
-    def _joined(self, worker_id: str, slots: int) -> WorkerState:
-        """A worker seen for the first time (or again, by a new leader): what it already runs comes
-        from its assignments in Redis."""
-        known = {}
-        for rid, payload in self.redis.hgetall(self.keys.assigned(worker_id)).items():
-            submit = decode_or_drop(payload, Submit, self.limit, log, "an assignment", worker_id=worker_id)
-            known[rid.decode()] = submit.tenant if submit else ""
-            self.model_of[rid.decode()] = submit.model if submit else ""
-        log.info("worker joined", extra={"worker_id": worker_id, "slots": slots, "running": len(known)})
-        return WorkerState(worker_id, slots, known)
-
-    def _tend_worker_keys(self) -> None:
-        """Per-worker keys last no longer than their worker. Once per leadership, the inbox or assignments of a
-        worker with no heartbeat (one that left while no scheduler led: a clean stop also takes it off the set
-        of workers, so nothing else names it) are handled as a lost worker's; and every so often the live
-        workers' keys get their expiry pushed back, so that only the keys of a worker nobody saw leave lapse."""
-        if not self.swept:
-            found = {self.keys.worker_of(key.decode())
-                     for key in self.redis.scan_iter(match=self.keys.worker_keys(), count=1000)}
-            unseen = sorted(found - self.workers.keys() - {None})
-            # One that started beating since the refresh is alive (a gateway may have asked it something).
-            beats = self.redis.mget([self.keys.heartbeat(i) for i in unseen]) if unseen else []
-            for worker_id, beat in zip(unseen, beats, strict=True):
-                if beat is None:
-                    self._lose(worker_id)
-            self.swept = True
-        if now() < self.next_renewal:
-            return
-        self.next_renewal = now() + WORKER_KEYS_TTL_SECONDS / 4
-        pipe = self.redis.pipeline(transaction=False)
-        for worker_id in self.workers:
-            pipe.expire(self.keys.inbox(worker_id), WORKER_KEYS_TTL_SECONDS)
-            pipe.expire(self.keys.assigned(worker_id), WORKER_KEYS_TTL_SECONDS)
-        pipe.execute()
-
-    def _lose(self, worker_id: str) -> None:
-        """Put the requests of a worker that is gone back on the stream, each with the tokens it has
-        already delivered, then remove the worker's keys. Each request is handled on its own: one that cannot
-        move fails alone."""
-        assigned = self.redis.hgetall(self.keys.assigned(worker_id))
-        if assigned:
-            metrics.WORKERS_LOST.inc()
-        level = logging.WARNING if assigned else logging.INFO
-        log.log(level, "worker gone", extra={"worker_id": worker_id, "in_flight": len(assigned)})
-        reads = self.redis.pipeline(transaction=False)
-        for rid in assigned:
-            reads.lrange(self.keys.progress(rid.decode()), 0, -1)
-        pipe = self.redis.pipeline(transaction=False)
-        for rid in assigned:
-            self.model_of.pop(rid.decode(), None)
-        for (rid, payload), delivered in zip(assigned.items(), reads.execute(), strict=True):
-            submit = decode_or_drop(payload, Submit, self.limit, log, "an assignment", worker_id=worker_id)
-            try:
-                if submit is not None:
-                    self._migrate(pipe, submit, [int(t) for t in delivered])
-            except Exception:
-                log.exception("a request could not be migrated; set aside", extra={"request_id": rid.decode()})
-                self._dead_letter(pipe, submit, "it raised while migrating")
-        # One key a command: a cluster pipeline takes no multi-key DEL.
-        pipe.delete(self.keys.assigned(worker_id))
-        pipe.delete(self.keys.inbox(worker_id))
-        pipe.srem(self.keys.workers, worker_id)
-        pipe.execute()
-
-    def _migrate(self, pipe: redis.client.Pipeline, submit: Submit, delivered: list[int]) -> None:
-        rid = submit.request_id
-        if submit.migrations >= self.settings.migration_limit:
-            metrics.MIGRATION_FAILURES.inc()
-            self._fail(pipe, rid, ErrorCode.MIGRATION_LIMIT,
-                       f"the request lost its worker {submit.migrations + 1} times")
-            return
-        submit.resume = delivered
-        submit.migrations += 1
-        try:
-            payload = encode(submit, self.limit - BATCH_OVERHEAD)
-        except ProtocolError:
-            self._fail(pipe, rid, ErrorCode.REQUEST_TOO_LARGE,
-                       f"the request lost its worker, and with its {len(delivered)} delivered tokens it no longer "
-                       "fits one message to another")
-            return
-        metrics.MIGRATIONS.inc()
-        self._stamp(pipe, rid, "migrated", resume_tokens=len(delivered), migrations=submit.migrations)
-        log.warning("migrating", extra={"request_id": rid, "resume_tokens": len(delivered),
-                                        "migrations": submit.migrations})
-        pipe.xadd(self.keys.requests, {PAYLOAD: payload}, maxlen=REQUEST_STREAM_MAXLEN, approximate=True)
-
     def _publish_models(self) -> None:
         """Each model's requests waiting and running, for the metrics and, through Redis, for each gateway's
         /health?model= (what an autoscaler of that model's workers reads). Models with workers but no work
         show zeros."""
-        figures = model_figures(self.queue.depths(), Counter(self.model_of.values()),
-                                [w.models for w in self.workers.values()])
+        figures = model_figures(self.queue.depths(), Counter(self.roster.model_of.values()),
+                                [w.models for w in self.roster.workers.values()])
         compat_metrics.set_models(figures)
         pipe = self.redis.pipeline(transaction=False)
         pipe.delete(self.keys.models)
@@ -411,50 +292,22 @@ class Scheduler:
         if not expired:
             return
         pipe = self.redis.pipeline(transaction=False)
-        self._leave_queue(pipe, expired)
+        self.outcomes.leave_queue(pipe, expired)
         for item in expired:
             waited = clock - item.submit.submitted_at
             metrics.QUEUE_TIMEOUTS.inc()
-            self._fail(pipe, item.request_id, ErrorCode.QUEUE_TIMEOUT,
+            self.outcomes.fail(pipe, item.request_id, ErrorCode.QUEUE_TIMEOUT,
                        f"no worker took the request within {waited:.1f} s")
         pipe.execute()
-
-    def _fail(self, pipe: redis.client.Pipeline, request_id: str, code: ErrorCode, message: str) -> None:
-        """End a request the scheduler holds with an error to its client."""
-        log.warning("request failed", extra={"request_id": request_id, "code": code, "error": message})
-        # Published and logged like a worker's results, so that a client resuming the stream sees it too.
-        publish_results(pipe, self.keys, self.settings, [(request_id, encode(Error(code, message), self.limit), "")])
-        pipe.delete(self.keys.progress(request_id))
-        self._stamp(pipe, request_id, "failed", code=code)
-        metrics.FAILED.labels(code).inc()
-
-    def _dead_letter(self, pipe: redis.client.Pipeline, submit: Submit | None, reason: str) -> None:
-        """Set a request aside for an operator (its id and why, never its prompt) and fail it."""
-        if submit is None:
-            return
-        metrics.DEAD_LETTERS.inc()
-        pipe.xadd(self.keys.dead_letters, {b"request_id": submit.request_id, b"reason": reason,
-                                           b"service": "scheduler", b"at": str(now())},
-                  maxlen=DEAD_LETTER_MAXLEN, approximate=True)
-        self._fail(pipe, submit.request_id, ErrorCode.DEAD_LETTER, f"the request was set aside: {reason}")
-
-    def _leave_queue(self, pipe: redis.client.Pipeline, items: list[Queued]) -> None:
-        """Requests off the waiting queue: their stream entries are done, and the admission counts drop
-        for those the gateway counted in (not those re-queued after a worker loss)."""
-        self._ack(pipe, self.keys.requests, [item.entry_id for item in items])
-        admitted = [item for item in items if not item.submit.migrations]
-        if admitted:
-            pipe.decrby(self.keys.queued, len(admitted))
-            pipe.decrby(self.keys.queued_bytes, sum(item.size for item in admitted))
 
     def _dispatch(self) -> None:
         if not self.queue:
             return
-        batches = plan(self.queue, list(self.workers.values()), self.limit, now())
+        batches = plan(self.queue, list(self.roster.workers.values()), self.limit, now())
         if not batches:
             return
         pipe = self.redis.pipeline(transaction=False)
-        self._leave_queue(pipe, [item for _, batch in batches for item in batch])
+        self.outcomes.leave_queue(pipe, [item for _, batch in batches for item in batch])
         clock = now()
         for worker_id, items in batches:
             batch = Batch(uuid.uuid4().hex[:12], [item.submit for item in items])
@@ -466,9 +319,9 @@ class Scheduler:
                 pipe.expire(key, WORKER_KEYS_TTL_SECONDS)
             metrics.BATCHES.inc()
             for item in items:
-                self.workers[worker_id].assigned[item.request_id] = item.tenant
-                self.model_of[item.request_id] = item.model
-                self._stamp(pipe, item.request_id, "dispatched", batch_id=batch.batch_id, worker_id=worker_id,
+                self.roster.workers[worker_id].assigned[item.request_id] = item.tenant
+                self.roster.model_of[item.request_id] = item.model
+                self.outcomes.stamp(pipe, item.request_id, "dispatched", batch_id=batch.batch_id, worker_id=worker_id,
                             batch_size=len(items), model=item.model)
                 metrics.DISPATCH_LATENCY.observe(max(clock - item.submit.submitted_at, 0.0))
                 self.tracing.end(self.tracing.start(

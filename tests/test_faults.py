@@ -227,7 +227,7 @@ def test_past_the_migration_limit_the_client_gets_a_clear_error(chaos: PrivateSt
     listener.subscribe(Keys("limit").results("r1"))
     wait_for(lambda: listener.get_message(timeout=1), 5, "the subscription")
     pipe = scheduler.redis.pipeline()
-    scheduler._migrate(pipe, Submit("r1", SamplingParams(), prompt="x", migrations=2), [5, 6])
+    scheduler.roster.migrate(pipe, Submit("r1", SamplingParams(), prompt="x", migrations=2), [5, 6])
     pipe.execute()
     message = wait_for(lambda: listener.get_message(timeout=1), 5, "the error")
     error = decode(message["data"], Result, 1 << 20)

@@ -96,7 +96,7 @@ def test_requests_queued_with_no_worker_go_out_in_messages_that_fit(r: redis.Red
     s._tick()
     assert len(s.queue) == 12
     worker_beat(r, keys, "w1")
-    s.next_refresh = 0
+    s.roster.next_refresh = 0
     s._tick()
     batches = inbox_batches(r, keys, "w1")
     assert len(batches) >= 2 and all(size <= LIMIT for size, _ in batches)
@@ -152,7 +152,7 @@ def test_what_finished_just_before_its_worker_left_is_released_not_run_again(r: 
     s._take_over()
     worker_beat(r, keys, "w1")
     worker_beat(r, keys, "w2")
-    s.next_refresh = 0
+    s.roster.next_refresh = 0
     s._tick()
     done, running = (Submit(rid, SamplingParams(), prompt="hi") for rid in ("done", "running"))
     r.hset(keys.assigned("w1"), mapping={"done": encode(done, LIMIT), "running": encode(running, LIMIT)})
@@ -162,7 +162,7 @@ def test_what_finished_just_before_its_worker_left_is_released_not_run_again(r: 
     r.xadd(keys.events, {PAYLOAD: encode(Finished("w1", "done"), LIMIT)})
     r.delete(keys.heartbeat("w1"))
     r.srem(keys.workers, "w1")
-    s._refresh_workers()
+    s.roster.refresh()
     s._tick()
     moved = [(q.request_id, q.resume) for _, batch in inbox_batches(r, keys, "w2") for q in batch.sequences]
     assert moved == [("running", [7])]

@@ -1,0 +1,152 @@
+"""The workers the leading scheduler sees: who is alive (their heartbeats), what each runs (its assignments in
+Redis), and what happens to a worker that is gone: its requests go back on the stream with the tokens they had
+delivered, to continue elsewhere, and its keys are removed; the keys of live workers last no longer than they do."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import redis
+
+from common.errors import ErrorCode
+from common.protocol import (
+    PAYLOAD,
+    REQUEST_STREAM_MAXLEN,
+    WORKER_KEYS_TTL_SECONDS,
+    Keys,
+    ProtocolError,
+    Submit,
+    encode,
+    now,
+)
+from common.runtime import decode_or_drop, parse_heartbeats
+from common.settings import Settings
+from scheduler import metrics
+from scheduler.outcomes import Outcomes
+from scheduler.policy import BATCH_OVERHEAD, WorkerState
+
+log = logging.getLogger("scheduler")
+
+
+class Roster:
+    def __init__(self, redis_client: redis.Redis, keys: Keys, settings: Settings, outcomes: Outcomes,
+                 read_events: Callable[[], object]) -> None:
+        """`read_events`: consume the worker events waiting (before a worker is handled as lost)."""
+        self.redis, self.keys, self.settings, self.outcomes = redis_client, keys, settings, outcomes
+        self.read_events = read_events
+        self.limit = settings.max_message_bytes
+        self.workers: dict[str, WorkerState] = {}
+        self.model_of: dict[str, str] = {}  # request_id -> its model, while a worker runs it
+        self.next_refresh = 0.0
+        self.next_renewal = 0.0  # of the live workers' keys' expiry
+        self.swept = False  # for the keys of workers that left while no scheduler led
+
+    def refresh(self) -> None:
+        self.next_refresh = now() + self.settings.heartbeat_interval
+        ids = sorted(member.decode() for member in self.redis.smembers(self.keys.workers))
+        beats = parse_heartbeats(ids, self.redis.mget([self.keys.heartbeat(i) for i in ids]) if ids else [],
+                                 self.limit, log)
+        gone = [worker_id for worker_id, beat in beats.items() if beat is None] + sorted(self.workers.keys() - set(ids))
+        if gone:
+            # A worker writes the Finished events of its last step before it leaves: read them now, after its
+            # leaving was seen, so that what finished just before is released, not moved and run again.
+            self.read_events()
+        for worker_id in gone:
+            self.lose(worker_id)
+        alive: dict[str, WorkerState] = {}
+        for worker_id, beat in beats.items():
+            if beat is None:
+                continue
+            state = self.workers.get(worker_id) or self._joined(worker_id, beat.slots)
+            state.draining = beat.draining
+            state.prefixes = frozenset(beat.prefixes)
+            state.models = frozenset(beat.serves())
+            alive[worker_id] = state
+        self.workers = alive
+
+    def _joined(self, worker_id: str, slots: int) -> WorkerState:
+        """A worker seen for the first time (or again, by a new leader): what it already runs comes
+        from its assignments in Redis."""
+        known = {}
+        for rid, payload in self.redis.hgetall(self.keys.assigned(worker_id)).items():
+            submit = decode_or_drop(payload, Submit, self.limit, log, "an assignment", worker_id=worker_id)
+            known[rid.decode()] = submit.tenant if submit else ""
+            self.model_of[rid.decode()] = submit.model if submit else ""
+        log.info("worker joined", extra={"worker_id": worker_id, "slots": slots, "running": len(known)})
+        return WorkerState(worker_id, slots, known)
+
+    def tend_keys(self) -> None:
+        """Per-worker keys last no longer than their worker. Once per leadership, the inbox or assignments of a
+        worker with no heartbeat (one that left while no scheduler led: a clean stop also takes it off the set
+        of workers, so nothing else names it) are handled as a lost worker's; and every so often the live
+        workers' keys get their expiry pushed back, so that only the keys of a worker nobody saw leave lapse."""
+        if not self.swept:
+            found = {self.keys.worker_of(key.decode())
+                     for key in self.redis.scan_iter(match=self.keys.worker_keys(), count=1000)}
+            unseen = sorted(found - self.workers.keys() - {None})
+            # One that started beating since the refresh is alive (a gateway may have asked it something).
+            beats = self.redis.mget([self.keys.heartbeat(i) for i in unseen]) if unseen else []
+            for worker_id, beat in zip(unseen, beats, strict=True):
+                if beat is None:
+                    self.lose(worker_id)
+            self.swept = True
+        if now() < self.next_renewal:
+            return
+        self.next_renewal = now() + WORKER_KEYS_TTL_SECONDS / 4
+        pipe = self.redis.pipeline(transaction=False)
+        for worker_id in self.workers:
+            pipe.expire(self.keys.inbox(worker_id), WORKER_KEYS_TTL_SECONDS)
+            pipe.expire(self.keys.assigned(worker_id), WORKER_KEYS_TTL_SECONDS)
+        pipe.execute()
+
+    def lose(self, worker_id: str) -> None:
+        """Put the requests of a worker that is gone back on the stream, each with the tokens it has
+        already delivered, then remove the worker's keys. Each request is handled on its own: one that cannot
+        move fails alone."""
+        assigned = self.redis.hgetall(self.keys.assigned(worker_id))
+        if assigned:
+            metrics.WORKERS_LOST.inc()
+        level = logging.WARNING if assigned else logging.INFO
+        log.log(level, "worker gone", extra={"worker_id": worker_id, "in_flight": len(assigned)})
+        reads = self.redis.pipeline(transaction=False)
+        for rid in assigned:
+            reads.lrange(self.keys.progress(rid.decode()), 0, -1)
+        pipe = self.redis.pipeline(transaction=False)
+        for rid in assigned:
+            self.model_of.pop(rid.decode(), None)
+        for (rid, payload), delivered in zip(assigned.items(), reads.execute(), strict=True):
+            submit = decode_or_drop(payload, Submit, self.limit, log, "an assignment", worker_id=worker_id)
+            try:
+                if submit is not None:
+                    self.migrate(pipe, submit, [int(t) for t in delivered])
+            except Exception:
+                log.exception("a request could not be migrated; set aside", extra={"request_id": rid.decode()})
+                self.outcomes.dead_letter(pipe, submit, "it raised while migrating")
+        # One key a command: a cluster pipeline takes no multi-key DEL.
+        pipe.delete(self.keys.assigned(worker_id))
+        pipe.delete(self.keys.inbox(worker_id))
+        pipe.srem(self.keys.workers, worker_id)
+        pipe.execute()
+
+    def migrate(self, pipe: redis.client.Pipeline, submit: Submit, delivered: list[int]) -> None:
+        rid = submit.request_id
+        if submit.migrations >= self.settings.migration_limit:
+            metrics.MIGRATION_FAILURES.inc()
+            self.outcomes.fail(pipe, rid, ErrorCode.MIGRATION_LIMIT,
+                       f"the request lost its worker {submit.migrations + 1} times")
+            return
+        submit.resume = delivered
+        submit.migrations += 1
+        try:
+            payload = encode(submit, self.limit - BATCH_OVERHEAD)
+        except ProtocolError:
+            self.outcomes.fail(pipe, rid, ErrorCode.REQUEST_TOO_LARGE,
+                       f"the request lost its worker, and with its {len(delivered)} delivered tokens it no longer "
+                       "fits one message to another")
+            return
+        metrics.MIGRATIONS.inc()
+        self.outcomes.stamp(pipe, rid, "migrated", resume_tokens=len(delivered), migrations=submit.migrations)
+        log.warning("migrating", extra={"request_id": rid, "resume_tokens": len(delivered),
+                                        "migrations": submit.migrations})
+        pipe.xadd(self.keys.requests, {PAYLOAD: payload}, maxlen=REQUEST_STREAM_MAXLEN, approximate=True)
