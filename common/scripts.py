@@ -1,7 +1,8 @@
 """Every Lua script the services run on Redis, beside one another: each is one atomic step over keys that share
 a Redis Cluster slot (common/protocol.py's Keys), its KEYS and ARGV said above it. The gateway admits and meters
-(ADMIT, SPEND) and leases streams to their readers (EXTEND_LEASES, CLAIM_LEASES); every service publishes results
-(PUBLISH_RESULTS, common/resultlog.py); the schedulers elect a leader (LEADER_LEASE)."""
+(ADMIT, SPEND), leases streams to their readers (EXTEND_LEASES, CLAIM_LEASES) and gives back an Idempotency-Key
+(RELEASE_CLAIM); every service publishes results (PUBLISH_RESULTS, common/resultlog.py); the schedulers elect a
+leader (LEADER_LEASE)."""
 
 # Admission and publication in one atomic step: the bounds are exact under any burst, and all
 # choices of one HTTP request are admitted together or not at all. Every write comes after every
@@ -147,3 +148,8 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
 if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('PEXPIRE', KEYS[1], ARGV[2]) return 1 end
 return 0
 """
+
+
+# Give an Idempotency-Key's claim back, only if it is still the one this request made (gateway/idempotency.py).
+# KEYS: the claim. ARGV: its value as made.
+RELEASE_CLAIM = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"

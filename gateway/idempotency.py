@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
+from common import scripts
 from common.errors import ErrorCode
 from common.protocol import StreamMeta, Submit
 from gateway.errors import ApiError
@@ -24,8 +25,6 @@ MAX_KEY = 255
 # How long a retry waits for the first request's stream to be admitted (it is, right after its claim).
 WAIT_FOR_FIRST_S = 5.0
 POLL_S = 0.05
-# Deletes a claim only if it is still the one this request made.
-_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 
 @dataclass
@@ -123,14 +122,15 @@ async def _first_stream(request: Request, head: str) -> StreamMeta | None:
 
 async def release(request: Request, held: Claim) -> bool:
     """Give the key back (the request it names will not run, or was cancelled); whether it was still `held`."""
-    return bool(await bus_of(request).redis.eval(_RELEASE, 1, held.key, held.value))
+    return bool(await bus_of(request).redis.eval(scripts.RELEASE_CLAIM, 1, held.key, held.value))
 
 
 async def follow(request: Request, retry: Retry) -> ResultStream | None:
     """The first request's stream from its start, replayed and held as a resume is; None where it was cancelled."""
     bus = bus_of(request)
     meta = retry.meta
-    stream = ResultStream(bus, meta.request_ids, meta, [-1] * len(meta.request_ids), stop_on_error=True)
+    stream = ResultStream(bus, meta.request_ids, meta, [-1] * len(meta.request_ids),
+                          stop_on_error=meta.api != "seed")
     try:
         await stream.open()
         await stream.replay()

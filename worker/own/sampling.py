@@ -121,9 +121,9 @@ def sample_texts(logits: torch.Tensor, texts: list[SequenceText], generators: li
     come, penalties over every token delivered, each grammar's mask (its index built only if a row asks)."""
     matchers = [t.matcher for t in texts]
     biases = grammars.row_biases(matchers, device) if any(m is not None for m in matchers) else [None] * len(texts)
-    return sample_each(logits, [t.params for t in texts], generators,
-                       [list(eos_token_ids) if t.holds_eos() else [] for t in texts], [t.tokens for t in texts],
-                       biases, [t.request_id for t in texts])
+    eos = list(eos_token_ids)
+    return sample_each(logits, [t.params for t in texts], generators, [eos if t.holds_eos() else [] for t in texts],
+                       [t.tokens for t in texts], biases, [t.request_id for t in texts])
 
 
 def _penalise(logits: torch.Tensor, params: list[SamplingParams], generated: list[list[int]]) -> None:
