@@ -25,6 +25,7 @@ class ErrorCode(StrEnum):
     KEY_LIMIT = "key_limit"
     IDEMPOTENCY_CONFLICT = "idempotency_conflict"
     RATE_LIMITED = "rate_limit_exceeded"
+    BATCH_ENDED = "batch_ended"
     # Ended on the way: by the scheduler, a worker, or the gateway's delivery.
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     QUEUE_TIMEOUT = "queue_timeout"
@@ -64,6 +65,7 @@ _STATUS = {
     ErrorCode.QUEUE_FULL: 429,
     ErrorCode.KEY_LIMIT: 429,
     ErrorCode.IDEMPOTENCY_CONFLICT: 409,
+    ErrorCode.BATCH_ENDED: 409,
     ErrorCode.RATE_LIMITED: 429,
     ErrorCode.CLIENT_TOO_SLOW: 408,
     # nginx's "client closed request": the request ended because nobody was left to read it.

@@ -89,6 +89,9 @@ class Submit(msgspec.Struct, tag="submit"):
     model: str = ""
     # Lower runs first among its tenant's waiting requests (vLLM's meaning).
     priority: int = 0
+    # A line of a batch job (/v1/batches): it waits in the background lane, which runs only what interactive
+    # requests leave free (scheduler/policy.py).
+    background: bool = False
 
 
 class Cancel(msgspec.Struct, tag="cancel"):

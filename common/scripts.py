@@ -2,7 +2,8 @@
 a Redis Cluster slot (common/protocol.py's Keys), its KEYS and ARGV said above it. The gateway admits and meters
 (ADMIT, SPEND), leases streams to their readers (EXTEND_LEASES, CLAIM_LEASES) and gives back an Idempotency-Key
 (RELEASE_CLAIM); every service publishes results (PUBLISH_RESULTS, common/resultlog.py); the schedulers elect a
-leader (LEADER_LEASE)."""
+leader (LEADER_LEASE), as the gateways do for each batch job; a batch job's lines are counted once (RECORD_LINE)
+and its status moves only forward (MOVE_BATCH)."""
 
 # Admission and publication in one atomic step: the bounds are exact under any burst, and all
 # choices of one HTTP request are admitted together or not at all. Every write comes after every
@@ -153,3 +154,27 @@ return 0
 # Give an Idempotency-Key's claim back, only if it is still the one this request made (gateway/idempotency.py).
 # KEYS: the claim. ARGV: its value as made.
 RELEASE_CLAIM = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+
+# A batch job's line answered: kept once, however many times it was run, and counted with it, so that the job's
+# request_counts are exact across restarts (gateway/batch_store.py). KEYS: the job's answers, the job, its lines in
+# flight (all of one job's slot). ARGV: the line's number, its answer, the counter it adds to.
+RECORD_LINE = """
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then redis.call('HINCRBY', KEYS[2], ARGV[3], 1) end
+redis.call('HDEL', KEYS[3], ARGV[1])
+return 1
+"""
+
+
+# A batch job's status moved on, only from one of the statuses named, with the time it did. KEYS: the job. ARGV:
+# the new status, the field of its time, the time, then the statuses it may move from.
+MOVE_BATCH = """
+local status = redis.call('HGET', KEYS[1], 'status')
+for i = 4, #ARGV do
+  if status == ARGV[i] then
+    redis.call('HSET', KEYS[1], 'status', ARGV[1], ARGV[2], ARGV[3])
+    return 1
+  end
+end
+return 0
+"""

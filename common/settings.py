@@ -59,6 +59,8 @@ class Settings:
     resume_ttl: float = 300.0
     resume_grace: float = 5.0
     resume_log_bytes: int = 256 << 10
+    batch_file_bytes: int = 32 << 20
+    batch_in_flight: int = 64
     scheduler_metrics_port: int = 9101
     worker_metrics_port: int = 9102
     engine: str = "auto"
@@ -142,7 +144,7 @@ class Settings:
         if self.scheduling_policy not in ("fair", "fifo"):
             raise SettingsError(f"SCHEDULING_POLICY={self.scheduling_policy!r}: expected fair or fifo")
         for name in ("max_message_bytes", "heartbeat_interval", "worker_ttl", "poison_limit",
-                     "resume_log_bytes"):
+                     "resume_log_bytes", "batch_file_bytes", "batch_in_flight"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name.upper()}={getattr(self, name)}: must be positive")
         try:

@@ -11,12 +11,15 @@ from fastapi import FastAPI
 from common.settings import Settings
 from common.telemetry import setup_logging
 from common.tracing import Tracing
-from gateway import errors, observe, openai_api, page, resume, routes, tokenize
+from gateway import batches, errors, observe, openai_api, page, resume, routes, tokenize
+from gateway.batch_runner import BatchRunner
 from gateway.bus import Bus
 from gateway.connection import HeadLimits, limited_protocol
 from gateway.grammar_check import GrammarChecker
 from gateway.metrics import CountRequests
 from gateway.middleware import Guard, Traced
+
+UPLOAD_FRAMING = 64 << 10
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -24,9 +27,12 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.bus = Bus(settings)
         app.state.grammars = GrammarChecker()
+        app.state.batches = BatchRunner(app, app.state.bus)
         await app.state.bus.start()
         await app.state.grammars.start()
+        app.state.batches.start()
         yield
+        await app.state.batches.stop()
         await app.state.grammars.stop()
         await app.state.bus.stop()
 
@@ -36,11 +42,15 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(routes.router)
     app.include_router(openai_api.router)
     app.include_router(resume.router)
+    app.include_router(batches.router)
     app.include_router(tokenize.router)
     app.include_router(observe.router)
     app.include_router(page.router)
     keys = [key.strip() for key in settings.api_keys.split(",") if key.strip()]
-    app.add_middleware(Guard, api_keys=keys, max_body=settings.max_message_bytes, body_timeout=settings.body_timeout)
+    # An upload's limit leaves room for its multipart framing; the file itself is checked against the setting.
+    uploads = {"/v1/files": (settings.batch_file_bytes + UPLOAD_FRAMING, "BATCH_FILE_BYTES")}
+    app.add_middleware(Guard, api_keys=keys, max_body=settings.max_message_bytes, body_timeout=settings.body_timeout,
+                       uploads=uploads)
     app.add_middleware(Traced, tracing=Tracing("gateway"))
     # Outermost, so that refusals by the guard are counted too.
     app.add_middleware(CountRequests, routes=set(app.openapi()["paths"]))

@@ -120,9 +120,12 @@ class Bus:
 
     async def admit(self, submits: list[Submit], meta: StreamMeta | None = None) -> None:
         """Count the requests in and publish them (or raise Refused); with `meta`, a stream that may be
-        resumed: its logs and its lease are created in the same step."""
+        resumed: its logs and its lease are created in the same step. A batch job's lines (background) count
+        against the queue's bounds but not against their key's requests or quotas."""
         payloads = self._payloads(submits)
-        if self.key_limit and len(submits) > self.key_limit:
+        background = submits[0].background
+        key_limit = 0 if background else self.key_limit
+        if key_limit and len(submits) > key_limit:
             raise Refused(ErrorCode.INVALID_VALUE, f"the request asks for {len(submits)} completions (prompts x n); "
                           f"a key may have at most {self.key_limit} queued or running", "n")
         logged = meta is not None and self.resumable
@@ -141,9 +144,9 @@ class Bus:
         keys = [self.keys.queued, self.keys.queued_bytes, self.keys.requests, self.keys.in_flight(tenant),
                 self.keys.leases, self.keys.quota(tenant), self.keys.quotas, *([] if self.cluster else logs)]
         pipe.eval(scripts.ADMIT, len(keys), *keys,
-                  self.settings.max_queue, self.settings.max_queue_bytes, REQUEST_STREAM_MAXLEN, self.key_limit,
+                  self.settings.max_queue, self.settings.max_queue_bytes, REQUEST_STREAM_MAXLEN, key_limit,
                   self._wait_seconds(submits) + RUN_BOUND_SECONDS, len(submits), log_ttl, lease, header,
-                  "1" if self.keyed else "0", self.settings.key_rpm, self.settings.key_tpm, tenant,
+                  "1" if self.keyed and not background else "0", self.settings.key_rpm, self.settings.key_tpm, tenant,
                   *(s.request_id for s in submits), *payloads)
         # A failed trace stamp must not fail an admitted request: only the script's answer counts.
         *_, verdict = await pipe.execute(raise_on_error=False)

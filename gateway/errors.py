@@ -4,6 +4,8 @@ code is one of common.errors.ErrorCode (validation errors keep pydantic's type).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -68,16 +70,20 @@ def _field_path(loc: tuple[object, ...]) -> list[str]:
     return [str(part) for part in loc if part != "body" and str(part) not in _UNION_MEMBERS and "[" not in str(part)]
 
 
-def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-    errors = exc.errors()
+def invalid(errors: Sequence[Any]) -> ApiError:
+    """The 400 of a body that pydantic refused, naming the field of its most telling error."""
     # Of a union's errors the telling one is not "this member's type does not match".
     first = next((e for e in errors if not str(e.get("type", "")).endswith("_type")), errors[0])
     if first.get("type") == "json_invalid":
-        return ApiError.of(ErrorCode.JSON_INVALID, "the body is not valid JSON").response()
+        return ApiError.of(ErrorCode.JSON_INVALID, "the body is not valid JSON")
     where = _field_path(first.get("loc", ()))
     param = ".".join(where) or None
     message = f"{param}: {first['msg']}" if param else first["msg"]
-    return ApiError(400, message, first.get("type", ErrorCode.INVALID_VALUE), param).response()
+    return ApiError(400, message, first.get("type", ErrorCode.INVALID_VALUE), param)
+
+
+def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    return invalid(exc.errors()).response()
 
 
 _HTTP_CODES = {400: ErrorCode.JSON_INVALID, 404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED}

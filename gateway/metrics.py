@@ -71,6 +71,9 @@ DETACHED = Counter("llmserve_gateway_detached_streams_total",
                    "Streams whose client left, left running for RESUME_GRACE in case it comes back")
 QUOTA_REFUSED = Counter("llmserve_gateway_quota_refused_total",
                         "Requests refused by an API key's requests or tokens per minute", ["kind"])
+BATCH_LINES = Counter("llmserve_gateway_batch_lines_total",
+                      "Lines of batch jobs answered by this gateway, by file: completed (output) or failed (errors)",
+                      ["outcome"])
 RESUMED = Counter("llmserve_gateway_resumed_streams_total", "Streams resumed here (GET /v1/requests/{id}/stream)")
 ABANDONED = Counter("llmserve_gateway_abandoned_streams_total",
                     "Streams cancelled here because nobody resumed them within RESUME_GRACE (or their gateway died)")

@@ -53,13 +53,16 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 class Guard:
     """Refuses requests without a valid `Authorization: Bearer <key>` when keys are set (401), bodies
     over `max_body` bytes (413) and bodies that take over `body_timeout` seconds (408), before any
-    handler runs. The digest of the key that authorised a request is left in scope["state"]["tenant"]."""
+    handler runs. The digest of the key that authorised a request is left in scope["state"]["tenant"]. A path
+    in `uploads` (a file upload) has its own limit and setting, named in its 413."""
 
-    def __init__(self, app: ASGIApp, api_keys: list[str], max_body: int, body_timeout: float = 0.0) -> None:
+    def __init__(self, app: ASGIApp, api_keys: list[str], max_body: int, body_timeout: float = 0.0,
+                 uploads: dict[str, tuple[int, str]] | None = None) -> None:
         self.app = app
         self.api_keys = [key.encode() for key in api_keys]
         self.max_body = max_body
         self.body_timeout = body_timeout
+        self.uploads = uploads or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -71,17 +74,18 @@ class Guard:
                 return await _reply(send, ApiError.of(ErrorCode.INVALID_API_KEY, "a valid API key is required: "
                                                       "Authorization: Bearer <key>"))
             scope.setdefault("state", {})["tenant"] = tenant_of(key)
+        limit = self.uploads.get(scope["path"], (self.max_body, "MAX_MESSAGE_BYTES"))
         declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
-            return await _reply(send, self._too_large())
+        if declared is not None and declared.isdigit() and int(declared) > limit[0]:
+            return await _reply(send, self._too_large(limit))
         try:
-            body = await self._read_body(receive)
+            body = await self._read_body(receive, limit)
         except ApiError as error:
             return await _reply(send, error, close=error.status == ErrorCode.REQUEST_TIMEOUT.status)
         if body is not None:
             await self.app(scope, _replay(body, receive), send)
 
-    async def _read_body(self, receive: Receive) -> bytes | None:
+    async def _read_body(self, receive: Receive, limit: tuple[int, str]) -> bytes | None:
         """The whole body, or None if the client left while sending it."""
         chunks, size = [], 0
         try:
@@ -92,8 +96,8 @@ class Guard:
                         return None
                     chunk = message.get("body", b"")
                     size += len(chunk)
-                    if size > self.max_body:
-                        raise self._too_large()
+                    if size > limit[0]:
+                        raise self._too_large(limit)
                     chunks.append(chunk)
                     if not message.get("more_body", False):
                         return b"".join(chunks)
@@ -110,9 +114,10 @@ class Guard:
         matches = [k for k in self.api_keys if hmac.compare_digest(key, k)]
         return matches[0] if matches else None
 
-    def _too_large(self) -> ApiError:
-        return ApiError.of(ErrorCode.REQUEST_TOO_LARGE, f"the request body is over the {self.max_body}-byte limit "
-                           "(MAX_MESSAGE_BYTES)")
+    @staticmethod
+    def _too_large(limit: tuple[int, str]) -> ApiError:
+        return ApiError.of(ErrorCode.REQUEST_TOO_LARGE, f"the request body is over the {limit[0]}-byte limit "
+                           f"({limit[1]})")
 
 
 class Traced:

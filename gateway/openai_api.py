@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from common.errors import ErrorCode
-from common.protocol import Submit, Token
+from common.protocol import Result, StreamMeta, Submit, Token
 from gateway import idempotency, metrics
 from gateway.bus import Bus
 from gateway.constraints import constraint_of
@@ -63,39 +63,52 @@ async def _prepare(request: Request, body: OpenAIFields, prompts: list[str | Non
                              constraint.tools, body.model)
 
 
-async def _respond(request: Request, body: OpenAIFields, chat: bool, submits: list[Submit]) -> Response:
-    bus = bus_of(request)
-    claimed, stream = await idempotency.attach_or_claim(request, submits)
-    if stream is not None:  # a retry: the earlier request's stream, from its start
-        meta = stream.meta
-    else:
-        meta = stream_meta(request, submits, "chat" if chat else "completion", body.model, body.n,
-                           body.include_usage())
-        # A whole answer keeps a results log only where a retry may ask for it again.
-        stream = await idempotency.started(request, claimed, start(
-            bus, request, submits, meta if body.stream or claimed else None, stop_on_error=body.stream))
+async def submits_of(request: Request, body: CompletionRequest | ChatCompletionRequest) -> list[Submit]:
+    """A validated body's Submits, each choice's, checked against what the live workers serve."""
+    if isinstance(body, ChatCompletionRequest):
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        return await _prepare(request, body, [None], logprobs, chat=body)
+    return await _prepare(request, body, body.prompt_list(), body.logprobs)
+
+
+def answer_meta(request: Request, body: OpenAIFields, submits: list[Submit]) -> StreamMeta:
+    chat = isinstance(body, ChatCompletionRequest)
+    return stream_meta(request, submits, "chat" if chat else "completion", body.model, body.n, body.include_usage())
+
+
+def whole_answer(meta: StreamMeta, collected: list[list[Result]]) -> dict[str, object]:
+    """The body of a whole (not streamed) answer, from every choice's results in order, each ending in its Done."""
     shape = Shape.of(meta)
-    if body.stream:
-        return EventResponse(stream, chunk_events(stream, shape, meta, body.continuous_usage()))
-    collected = await gather(request, stream)
     choices, dones = [], []
     for index, results in enumerate(collected):
         tokens = [r for r in results if isinstance(r, Token)]
         done = results[-1]
         dones.append(done)
         choices.append(shape.choice(index, tokens, done.finish_reason, meta.request_ids[index]))
-    return JSONResponse({**shape.head(meta), "object": shape.object, "choices": choices,
-                         "usage": usage(dones, body.n)}, headers={"X-Request-Id": meta.request_ids[0]})
+    return {**shape.head(meta), "object": shape.object, "choices": choices, "usage": usage(dones, meta.n)}
+
+
+async def _respond(request: Request, body: OpenAIFields, submits: list[Submit]) -> Response:
+    bus = bus_of(request)
+    claimed, stream = await idempotency.attach_or_claim(request, submits)
+    if stream is not None:  # a retry: the earlier request's stream, from its start
+        meta = stream.meta
+    else:
+        meta = answer_meta(request, body, submits)
+        # A whole answer keeps a results log only where a retry may ask for it again.
+        stream = await idempotency.started(request, claimed, start(
+            bus, request, submits, meta if body.stream or claimed else None, stop_on_error=body.stream))
+    if body.stream:
+        return EventResponse(stream, chunk_events(stream, Shape.of(meta), meta, body.continuous_usage()))
+    collected = await gather(request, stream)
+    return JSONResponse(whole_answer(meta, collected), headers={"X-Request-Id": meta.request_ids[0]})
 
 
 @router.post("/completions", summary="OpenAI text completions, streamed or whole")
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    submits = await _prepare(request, body, body.prompt_list(), body.logprobs)
-    return await _respond(request, body, False, submits)
+    return await _respond(request, body, await submits_of(request, body))
 
 
 @router.post("/chat/completions", summary="OpenAI chat completions, streamed or whole")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    submits = await _prepare(request, body, [None], logprobs, chat=body)
-    return await _respond(request, body, True, submits)
+    return await _respond(request, body, await submits_of(request, body))

@@ -66,9 +66,12 @@ class ResultStream:
     already and is dropped; so is anything after a choice's end."""
 
     def __init__(self, bus: Bus, request_ids: list[str], meta: StreamMeta | None = None,
-                 positions: list[int] | None = None, stop_on_error: bool = False, tenant: str = "") -> None:
+                 positions: list[int] | None = None, stop_on_error: bool = False, tenant: str = "",
+                 background: bool = False) -> None:
         self.bus = bus
         self.request_ids = request_ids
+        # A batch job's line, read by the gateway itself: no client's latency, nor its key's quota.
+        self.background = background
         # A stream with a results log may be resumed; without one (whole answers) it is cancelled when left.
         self.meta = meta if bus.resumable else None
         self.tenant = meta.tenant if meta else tenant
@@ -261,15 +264,15 @@ class ResultStream:
 
     def _count_token(self, choice: int, token: Token) -> None:
         clock = time.monotonic()
-        if not self.resumed:
+        if not self.resumed and not self.background:
             (metrics.ITL if token.index else metrics.TTFT).observe(clock - self.last_at[choice])
         self.last_at[choice] = clock
-        self.spent += 1
+        self.spent += not self.background
         metrics.TOKENS_OUT.inc()
         self.bus.throughput.add(1)
 
     def _count_end(self, result: Result) -> None:
-        if self.resumed:
+        if self.resumed or self.background:
             return
         metrics.E2E.observe(time.monotonic() - self.started)
         if isinstance(result, Done):

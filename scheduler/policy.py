@@ -12,6 +12,9 @@
   request's prefix (by the text keys of common/prefix.py) has room and at least half as many
   free slots: a cache hit is worth a little imbalance, never a wait while another worker has
   room. Each worker's share is cut into batches that fit one bus message.
+- The lines of batch jobs (`Submit.background`) wait in a lane of their own, per model: one starts only while no
+  interactive request of its model waits, and together they hold at most a tenant's share of the slots, so an
+  interactive arrival always finds a slot free.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 from common.prefix import prefix_keys
 from common.protocol import ModelLoad, Submit
@@ -32,6 +36,13 @@ BATCH_OVERHEAD = 256
 # heartbeat can say so itself (its prefill may take a while): the rest of a burst sharing it follows.
 EXPECTED_TTL = 15.0
 EXPECTED_LIMIT = 1024  # keys remembered that way per worker, the oldest forgotten first
+# The tenant every background request runs as: the lane's slots are counted as one tenant's.
+BACKGROUND = "~background"
+
+
+def runs_as(submit: Submit) -> str:
+    """The tenant a request's slot counts for."""
+    return BACKGROUND if submit.background else submit.tenant
 
 
 @dataclass
@@ -48,7 +59,7 @@ class Queued:
 
     @property
     def tenant(self) -> str:
-        return self.submit.tenant
+        return runs_as(self.submit)
 
     @property
     def model(self) -> str:
@@ -108,21 +119,22 @@ Ranked = tuple[int, float, int, Queued]
 
 class WaitingQueue:
     """The requests no worker has taken yet: the migrated lane, then one queue per model and tenant, by priority
-    and age. With `fair` off (SCHEDULING_POLICY=fifo) the requests of one model share one queue and no tenant is
-    capped."""
+    and age, then the background lane (one queue per model). With `fair` off (SCHEDULING_POLICY=fifo) the
+    interactive requests of one model share one queue and no tenant is capped."""
 
     def __init__(self, fair: bool = True) -> None:
         self.fair = fair
         self.migrated: deque[Queued] = deque()
         self.tenants: dict[tuple[str, str], list[Ranked]] = {}  # (model, tenant) -> a heap of its requests
+        self.background: dict[str, list[Ranked]] = {}  # model -> a heap of its batch jobs' lines
         self._added = itertools.count()
 
     def __len__(self) -> int:
-        return len(self.migrated) + sum(len(q) for q in self.tenants.values())
+        return len(self.migrated) + sum(len(q) for q in [*self.tenants.values(), *self.background.values()])
 
     def __iter__(self) -> Iterator[Queued]:
         yield from self.migrated
-        for queue in self.tenants.values():
+        for queue in [*self.tenants.values(), *self.background.values()]:
             yield from (ranked[-1] for ranked in queue)
 
     def depths(self) -> Counter[str]:
@@ -134,6 +146,9 @@ class WaitingQueue:
             self.migrated.append(item)
             return
         ranked = (item.submit.priority, item.submit.submitted_at, next(self._added), item)
+        if item.submit.background:
+            heapq.heappush(self.background.setdefault(item.model, []), ranked)
+            return
         heapq.heappush(self.tenants.setdefault((item.model, item.tenant if self.fair else ""), []), ranked)
 
     def remove(self, request_id: str) -> Queued | None:
@@ -149,23 +164,33 @@ class WaitingQueue:
         self._drop(gone)
         return gone
 
-    def pop_next(self, running: Counter[str], cap: int,
-                 placeable: Callable[[str], bool] = lambda _: True) -> Queued | None:
+    def pop_next(self, running: Counter[str], cap: int, placeable: Callable[[str], bool] = lambda _: True,
+                 background: int = 0) -> Queued | None:
         """The next request to run, given how many each tenant runs, among those whose model has a worker with
-        room (`placeable`); None if only capped tenants, or only models without room, wait."""
+        room (`placeable`); a background one (at most `background` more may start) only for a model no
+        interactive request waits for. None if only capped tenants, or only models without room, wait."""
         for item in self.migrated:
             if placeable(item.model):
                 self.migrated.remove(item)
                 return item
         ready = [(running[tenant], q[0][:2], tenant, model)  # q[0][:2]: its first request's priority and age
                  for (model, tenant), q in self.tenants.items() if running[tenant] < cap and placeable(model)]
-        if not ready:
+        if ready:
+            _, _, tenant, model = min(ready)
+            return self._pop(self.tenants, (model, tenant))
+        if background <= 0:
             return None
-        _, _, tenant, model = min(ready)
-        queue = self.tenants[model, tenant]
+        waiting = {model for model, _ in self.tenants}
+        lanes = [(q[0][:2], model) for model, q in self.background.items()
+                 if model not in waiting and placeable(model)]
+        return self._pop(self.background, min(lanes)[1]) if lanes else None
+
+    @staticmethod
+    def _pop(heaps: dict[Any, list[Ranked]], key: object) -> Queued:
+        queue = heaps[key]
         item = heapq.heappop(queue)[-1]
         if not queue:
-            del self.tenants[model, tenant]
+            del heaps[key]
         return item
 
     def _drop(self, items: list[Queued]) -> None:
@@ -173,13 +198,14 @@ class WaitingQueue:
         if not ids:
             return
         self.migrated = deque(i for i in self.migrated if i.request_id not in ids)
-        for key in list(self.tenants):
-            left = [ranked for ranked in self.tenants[key] if ranked[-1].request_id not in ids]
-            if left:
-                heapq.heapify(left)
-                self.tenants[key] = left
-            else:
-                del self.tenants[key]
+        for heaps in (self.tenants, self.background):
+            for key in list(heaps):
+                left = [ranked for ranked in heaps[key] if ranked[-1].request_id not in ids]
+                if left:
+                    heapq.heapify(left)
+                    heaps[key] = left
+                else:
+                    del heaps[key]
 
 
 def plan(queue: WaitingQueue, workers: list[WorkerState], limit: int,
@@ -193,13 +219,16 @@ def plan(queue: WaitingQueue, workers: list[WorkerState], limit: int,
     states = {w.worker_id: w for w in workers}
     free = {w.worker_id: w.free for w in workers if w.free > 0}
     running = Counter(tenant for w in workers for tenant in w.assigned.values()) if queue.fair else Counter()
-    cap = tenant_cap(sum(w.slots for w in workers if not w.draining)) if queue.fair else sum(free.values())
+    total = sum(w.slots for w in workers if not w.draining)
+    cap = tenant_cap(total) if queue.fair else sum(free.values())
+    background = tenant_cap(total) - sum(t == BACKGROUND for w in workers for t in w.assigned.values())
     batches: dict[str, list[list[Queued]]] = {}
     sizes: dict[str, int] = {}
     def placeable(model: str) -> bool:
         return any(states[w].serves(model) for w in free)
 
-    while free and (item := queue.pop_next(running, cap, placeable)) is not None:
+    while free and (item := queue.pop_next(running, cap, placeable, background)) is not None:
+        background -= item.submit.background
         worker_id = choose(item.prefix_keys, {w: n for w, n in free.items() if states[w].serves(item.model)},
                            states, clock)
         states[worker_id].expect(item.prefix_keys, clock + EXPECTED_TTL)

