@@ -397,6 +397,11 @@ class Keys:
         """Hash of per-key quotas: tenant (an API key's digest) -> "requests_per_minute tokens_per_minute"."""
         return self._shared("quotas")
 
+    @property
+    def priority_floors(self) -> str:
+        """Hash of tenant (an API key's digest) -> the lowest priority its requests run at (`llmserve quota`)."""
+        return self._shared("priority_floors")
+
     def in_flight(self, tenant: str) -> str:
         """Sorted set of a tenant's requests still queued or running, scored by when each stops counting."""
         return self._shared(f"inflight:{tenant}")

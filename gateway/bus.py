@@ -48,6 +48,7 @@ from gateway.throughput import SharedThroughput
 log = logging.getLogger("gateway")
 
 WORKERS_CACHE_SECONDS = 1.0
+FLOORS_CACHED = 10_000  # keys whose priority floor is remembered at once
 # Room left in a message for what the scheduler wraps around a Submit (a Batch and its id).
 SUBMIT_HEADROOM = 1024
 # How long a request counts against its key at most, past its queue deadline: a generous bound on its
@@ -90,6 +91,7 @@ class Bus:
         # Streams may be resumed: they keep a results log in Redis.
         self.resumable = settings.resume_ttl > 0
         self._workers: tuple[float, list[Heartbeat]] = (0.0, [])
+        self._floors: dict[str, tuple[float, int | None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.throughput = SharedThroughput(self.redis, self.keys)
 
@@ -121,7 +123,8 @@ class Bus:
     async def admit(self, submits: list[Submit], meta: StreamMeta | None = None) -> None:
         """Count the requests in and publish them (or raise Refused); with `meta`, a stream that may be
         resumed: its logs and its lease are created in the same step. A batch job's lines (background) count
-        against the queue's bounds but not against their key's requests or quotas."""
+        against half the queue's bounds (the other half stays for interactive requests), not against their key's
+        requests or quotas."""
         payloads = self._payloads(submits)
         background = submits[0].background
         key_limit = 0 if background else self.key_limit
@@ -144,7 +147,8 @@ class Bus:
         keys = [self.keys.queued, self.keys.queued_bytes, self.keys.requests, self.keys.in_flight(tenant),
                 self.keys.leases, self.keys.quota(tenant), self.keys.quotas, *([] if self.cluster else logs)]
         pipe.eval(scripts.ADMIT, len(keys), *keys,
-                  self.settings.max_queue, self.settings.max_queue_bytes, REQUEST_STREAM_MAXLEN, key_limit,
+                  self.settings.max_queue >> background, self.settings.max_queue_bytes >> background,
+                  REQUEST_STREAM_MAXLEN, key_limit,
                   self._wait_seconds(submits) + RUN_BOUND_SECONDS, len(submits), log_ttl, lease, header,
                   "1" if self.keyed and not background else "0", self.settings.key_rpm, self.settings.key_tpm, tenant,
                   *(s.request_id for s in submits), *payloads)
@@ -357,6 +361,17 @@ class Bus:
 
     async def queue_depth(self) -> int:
         return max(int(await self.redis.get(self.keys.queued) or 0), 0)
+
+    async def priority_floor(self, tenant: str) -> int | None:
+        """The lowest priority a key's requests may run at, if it has one (cached for a second per key)."""
+        fetched_at, floor = self._floors.get(tenant, (0.0, None))
+        if time.monotonic() - fetched_at >= WORKERS_CACHE_SECONDS:
+            raw = await self.redis.hget(self.keys.priority_floors, tenant)
+            floor = int(raw) if raw is not None and raw.lstrip(b"-").isdigit() else None
+            if len(self._floors) >= FLOORS_CACHED:
+                self._floors.clear()
+            self._floors[tenant] = (time.monotonic(), floor)
+        return floor
 
     async def live_workers(self) -> list[Heartbeat]:
         """Heartbeats of the live workers, cached for a second (it is asked on every request)."""

@@ -41,9 +41,12 @@ async def submits_for(request: Request, body: SamplingFields, prompts: list[str 
                            queue_timeout=bus.settings.queue_timeout, grammar=grammar, tools=tools)
                for p in prompts for i in range(choices)]
     tenant = tenant_of(request) or submits[0].request_id
+    floor = await bus.priority_floor(tenant) if tenant_of(request) else None
     traceparent = Tracing.header(getattr(request.state, "span", None))
     for submit in submits:
         submit.tenant = tenant
+        if floor is not None:  # a key kept from jumping the queue runs at its floor at best
+            submit.priority = max(submit.priority, floor)
         submit.traceparent = traceparent
         submit.model = model
         log.info("received", extra={"request_id": submit.request_id, "model": model})

@@ -46,7 +46,9 @@ def main() -> None:
     quota.add_argument("key", help="one of API_KEYS")
     quota.add_argument("--rpm", type=int, help="requests per minute (0: unlimited)")
     quota.add_argument("--tpm", type=int, help="prompt and completion tokens per minute (0: unlimited)")
-    quota.add_argument("--clear", action="store_true", help="back to KEY_RPM and KEY_TPM")
+    quota.add_argument("--priority-floor", type=int, help="the lowest priority the key's requests run at (a request "
+                       "asking for a lower one, which would run sooner, runs at this)")
+    quota.add_argument("--clear", action="store_true", help="back to KEY_RPM and KEY_TPM, and no priority floor")
     commands.add_parser("gateway", help="run the HTTP gateway")
     commands.add_parser("scheduler", help="run the scheduler")
     commands.add_parser("worker", help="run one model worker")
@@ -68,7 +70,9 @@ def main() -> None:
 
         if any(v is not None and v < 0 for v in (args.rpm, args.tpm)):
             raise SystemExit("llmserve quota: --rpm and --tpm must not be negative")
-        print(set_quota(args.key, args.rpm, args.tpm, args.clear))
+        if args.priority_floor is not None and abs(args.priority_floor) >= 2**31:
+            raise SystemExit("llmserve quota: --priority-floor must be within a 32-bit integer, as priorities are")
+        print(set_quota(args.key, args.rpm, args.tpm, args.clear, priority_floor=args.priority_floor))
         return
     if args.command == "gateway":
         from gateway.app import main as run

@@ -50,7 +50,16 @@ from common.telemetry import serve_metrics, setup_logging
 from common.tracing import Tracing
 from scheduler import compat_metrics, metrics
 from scheduler.outcomes import Outcomes
-from scheduler.policy import BATCH_OVERHEAD, Queued, WaitingQueue, fits_a_batch, model_figures, plan
+from scheduler.policy import (
+    BATCH_OVERHEAD,
+    PRIORITY_CLASSES,
+    Queued,
+    WaitingQueue,
+    fits_a_batch,
+    model_figures,
+    plan,
+    priority_class,
+)
 from scheduler.roster import Roster
 
 log = logging.getLogger("scheduler")
@@ -78,7 +87,8 @@ class Scheduler:
         self.roster = Roster(self.redis, self.keys, self.settings, self.outcomes,
                              lambda: self._consume({self.keys.events: ">"}, block_ms=None))
         # A standby or a demoted leader shows no work: only the leader's gauges count.
-        for gauge in (metrics.WAITING, metrics.WORKERS, metrics.FREE_SLOTS):
+        for gauge in (metrics.WAITING, metrics.WORKERS, metrics.FREE_SLOTS,
+                      *(metrics.WAITING_BY_PRIORITY.labels(c) for c in PRIORITY_CLASSES)):
             gauge.set(0)
         compat_metrics.set_models({})
 
@@ -169,6 +179,9 @@ class Scheduler:
             self._publish_models()
         self._dispatch()
         metrics.WAITING.set(len(self.queue))
+        waiting = Counter(priority_class(item.submit) for item in self.queue)
+        for name in PRIORITY_CLASSES:
+            metrics.WAITING_BY_PRIORITY.labels(name).set(waiting[name])
         metrics.WORKERS.set(len(self.roster.workers))
         metrics.FREE_SLOTS.set(sum(w.free for w in self.roster.workers.values()))
 
@@ -324,6 +337,8 @@ class Scheduler:
                 self.outcomes.stamp(pipe, item.request_id, "dispatched", batch_id=batch.batch_id, worker_id=worker_id,
                             batch_size=len(items), model=item.model)
                 metrics.DISPATCH_LATENCY.observe(max(clock - item.submit.submitted_at, 0.0))
+                metrics.QUEUE_WAIT.labels(priority_class(item.submit)).observe(
+                    max(clock - item.submit.submitted_at, 0.0))
                 self.tracing.end(self.tracing.start(
                     "llmserve.queue", item.submit.traceparent, int(item.submit.submitted_at * 1e9),
                     **{"llmserve.request_id": item.request_id, "llmserve.worker_id": worker_id,

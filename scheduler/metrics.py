@@ -10,6 +10,12 @@ FREE_SLOTS = Gauge("llmserve_scheduler_free_slots", "Free slots over all live wo
 DISPATCH_LATENCY = Histogram("llmserve_scheduler_dispatch_latency_seconds",
                              "From the gateway accepting a request to its dispatch to a worker",
                              buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120))
+WAITING_BY_PRIORITY = Gauge("llmserve_scheduler_waiting_by_priority",
+                            "Requests waiting for a worker, by priority class: urgent (< 0), default (0), low (> 0), "
+                            "background (batch jobs' lines)", ["priority"])
+QUEUE_WAIT = Histogram("llmserve_scheduler_queue_wait_seconds",
+                       "From the gateway accepting a request to its dispatch, by priority class", ["priority"],
+                       buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120, 600, 3600))
 DISPATCHED = Counter("llmserve_scheduler_dispatched_total", "Requests sent to workers")
 BATCHES = Counter("llmserve_scheduler_batches_total", "Batches sent to workers")
 MIGRATIONS = Counter("llmserve_scheduler_migrations_total", "Requests moved off a lost worker")

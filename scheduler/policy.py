@@ -40,6 +40,17 @@ EXPECTED_LIMIT = 1024  # keys remembered that way per worker, the oldest forgott
 BACKGROUND = "~background"
 
 
+# Classes of urgency the scheduler's metrics are labelled by (a label per priority value would be unbounded).
+PRIORITY_CLASSES = ("urgent", "default", "low", "background")
+
+
+def priority_class(submit: Submit) -> str:
+    """A batch job's line, or a request's priority below, at or above the default 0."""
+    if submit.background:
+        return "background"
+    return "urgent" if submit.priority < 0 else "low" if submit.priority > 0 else "default"
+
+
 def runs_as(submit: Submit) -> str:
     """The tenant a request's slot counts for."""
     return BACKGROUND if submit.background else submit.tenant

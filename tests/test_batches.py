@@ -10,12 +10,14 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import openai
 import pytest
 
+from common.clients import sync_client
+from common.protocol import Keys
 from gateway.batch_lines import read_lines, window_seconds
 from gateway.errors import ApiError
 from llmserve.launcher import PrivateStack
@@ -68,6 +70,14 @@ def ended(client: openai.OpenAI, batch_id: str, timeout: float = 120.0):
 
 def lines_of(client: openai.OpenAI, file_id: str | None) -> list[dict]:
     return [] if file_id is None else [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
+
+
+def sampled(read: Callable[[], int], times: int, every: float = 0.1) -> list[int]:
+    values = []
+    for _ in range(times):
+        values.append(read())
+        time.sleep(every)
+    return values
 
 
 def keyed(stack: PrivateStack, key: str = "alpha", url: str | None = None) -> openai.OpenAI:
@@ -199,11 +209,7 @@ def test_the_lane_takes_only_what_interactive_requests_leave(sim: PrivateStack) 
     client = keyed(sim)
     job = run_job(client, [line(f"l{i}", f"long line {i}", max_tokens=3000) for i in range(40)])
     wait_for(lambda: running(sim) >= 14, 60, "the job to fill its share of the slots")
-    seen = set()
-    for _ in range(10):
-        seen.add(running(sim))
-        time.sleep(0.1)
-    assert seen == {14}
+    assert set(sampled(lambda: running(sim), 10)) == {14}
     started = time.monotonic()
     online = client.completions.create(model="sim", prompt="interactive", max_tokens=4)
     assert time.monotonic() - started < 10 and online.usage.completion_tokens == 4
@@ -228,8 +234,6 @@ def test_lines_left_when_the_window_passes_are_failed_as_expired(sim: PrivateSta
 
 
 def holder_pid(stack: PrivateStack, batch_id: str) -> int:
-    from common.clients import sync_client
-
     lease = sync_client(stack.redis_url).get(f"{NAMESPACE}-kill:batch:{{{batch_id}}}:lease")
     assert lease, "no gateway holds the job"
     return int(lease.decode().split("-")[-2])
@@ -273,3 +277,22 @@ def test_a_job_on_the_real_model_answers_as_the_online_route(stack: RunningStack
     for answer in lines_of(client, job.output_file_id):
         online = client.chat.completions.create(**bodies[answer["custom_id"]])
         assert answer["response"]["body"]["choices"][0]["message"]["content"] == online.choices[0].message.content
+
+
+def test_a_job_leaves_half_the_queue_to_interactive_requests() -> None:
+    """MAX_QUEUE=8 and one slot the lane may take: the job's 40 lines hold at most 4 places in the queue (the
+    gateway retries the rest), so interactive requests are still admitted beside it."""
+    with sim_stack(1, **{**SETTINGS, "NAMESPACE": f"{NAMESPACE}-queue", "MAX_QUEUE": "8",
+                         "WORKER_SLOTS": "2"}) as stack:
+        client = keyed(stack)
+        job = run_job(client, [line(f"q{i}", f"queued {i}", max_tokens=200) for i in range(40)])
+        redis = sync_client(stack.redis_url)
+        queued = Keys(f"{NAMESPACE}-queue").queued
+        wait_for(lambda: int(redis.get(queued) or 0) >= 4, 60, "the job's lines to wait in the queue")
+        assert max(sampled(lambda: int(redis.get(queued) or 0), 20)) == 4
+        with httpx.Client(timeout=60) as http:
+            answers = [http.post(f"{stack.url}/v1/completions", headers=ALPHA,
+                                 json={"model": "sim", "prompt": f"beside {i}", "max_tokens": 2}) for i in range(3)]
+        assert [a.status_code for a in answers] == [200, 200, 200]
+        client.batches.cancel(job.id)
+        assert ended(client, job.id, timeout=60).status == "cancelled"

@@ -4,6 +4,7 @@ and a screenshot is kept as tests/artifacts/page.png."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from collections.abc import Callable, Iterator
@@ -171,6 +172,21 @@ def test_the_page_streams_answers_and_shows_the_cluster_and_their_journeys(stack
         wait(browser, "the live workers", listed)
         wait(browser, "the recent tokens/s", lambda: float(text(browser, "cluster-tps")) > 0)
         assert text(browser, "queue") == "0"
+
+        # The batch jobs of the key (none here): their progress, refreshed with the cluster.
+        lines = "\n".join(json.dumps({"custom_id": f"p{i}", "method": "POST", "url": "/v1/completions",
+                                      "body": {**settings, "prompt": f"{prompt} {i}", "max_tokens": 2}})
+                          for i in range(3))
+        upload = httpx.post(f"{stack.url}/v1/files", files={"file": ("page.jsonl", lines.encode())},
+                            data={"purpose": "batch"}).json()
+        job = httpx.post(f"{stack.url}/v1/batches", json={"input_file_id": upload["id"],
+                                                          "endpoint": "/v1/completions"}).json()
+
+        def job_row() -> str:
+            rows = browser.find_elements(By.CSS_SELECTOR, f"#batch-jobs tr[data-batch-id='{job['id']}']")
+            return rows[0].text if rows else ""
+
+        wait(browser, "the batch job done", lambda: "completed" in job_row() and "3 / 3" in job_row())
 
         # One waterfall row per request, newest first, each drawn up to its last hop.
         def journeys() -> list[tuple[str, list[str]]]:

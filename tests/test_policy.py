@@ -6,11 +6,13 @@ from common.protocol import SamplingParams, Submit
 from scheduler.policy import (
     BACKGROUND,
     BATCH_OVERHEAD,
+    PRIORITY_CLASSES,
     Queued,
     WaitingQueue,
     WorkerState,
     fits_a_batch,
     plan,
+    priority_class,
     tenant_cap,
 )
 
@@ -219,3 +221,10 @@ def test_the_lane_runs_by_priority_then_age_and_its_lines_expire_and_cancel() ->
     assert queue.remove("old").request_id == "old"
     [(_, batch)] = plan(queue, [WorkerState("a", 4)], LIMIT)
     assert ids(batch) == ["urgent"] and not queue
+
+
+def test_the_metrics_label_a_request_by_its_class_of_urgency() -> None:
+    classes = [priority_class(item(f"r{p}", priority=p).submit) for p in (-3, 0, 7)]
+    assert classes == ["urgent", "default", "low"]
+    assert priority_class(item("line", priority=-3, background=True).submit) == "background"
+    assert set(PRIORITY_CLASSES) == {*classes, "background"}

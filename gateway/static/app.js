@@ -316,6 +316,48 @@ async function refreshCluster() {
   }
 }
 
+// ---------- batch jobs ----------
+
+function batchRow(job) {
+  const row = el("tr", "batch-job");
+  row.dataset.batchId = job.id;
+  const counts = job.request_counts;
+  const done = counts.completed + counts.failed;
+  const meter = el("span", "meter");
+  meter.title = `${done} of ${counts.total} lines answered`;
+  const fill = el("span");
+  fill.style.width = `${counts.total ? (100 * done) / counts.total : 0}%`;
+  meter.append(fill);
+  const progress = el("td", "progress");
+  progress.append(meter, el("span", "slot-count", `${done} / ${counts.total}`));
+  const id = el("td", "id", job.id);
+  id.title = job.id;
+  const status = el("td", "status");
+  status.append(el("span", `badge ${job.status}`, job.status));
+  row.append(id, status, progress, el("td", "failed", String(counts.failed)),
+             el("td", "", new Date(job.created_at * 1000).toLocaleString()));
+  return row;
+}
+
+async function refreshBatches() {
+  try {
+    const response = await fetch("/v1/batches?limit=10", { headers: headers() });
+    if (!response.ok) throw new Error(await errorMessage(response));
+    const { data } = await response.json();
+    const rows = data.map(batchRow);
+    if (!rows.length) {
+      const cell = el("td", "empty", "No batch jobs for this key.");
+      cell.colSpan = 5;
+      rows.push(el("tr"));
+      rows[0].append(cell);
+    }
+    $("batch-jobs").replaceChildren(...rows);
+    $("batches-status").textContent = `updated ${new Date().toLocaleTimeString()}`;
+  } catch (error) {
+    $("batches-status").textContent = `unavailable: ${error.message}`;
+  }
+}
+
 function niceCeiling(value) {
   const power = 10 ** Math.floor(Math.log10(value));
   return [1, 2, 5, 10].map((m) => m * power).find((v) => v >= value);
@@ -497,7 +539,7 @@ function drawWaterfall() {
 // ---------- start ----------
 
 async function tick() {
-  await Promise.all([refreshCluster(), refreshTraces()]);
+  await Promise.all([refreshCluster(), refreshBatches(), refreshTraces()]);
   setTimeout(tick, REFRESH_MS);
 }
 
