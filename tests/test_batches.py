@@ -239,9 +239,10 @@ def holder_pid(stack: PrivateStack, batch_id: str) -> int:
     return int(lease.decode().split("-")[-2])
 
 
-def test_a_job_survives_kill_9_of_its_gateway_and_of_a_worker() -> None:
-    """Mid-job, kill -9 the gateway running it and one worker: the other gateway takes the job over and the
-    scheduler moves the worker's lines; every line is answered once, its text as without the faults."""
+def test_a_job_survives_kill_9_of_its_gateway_a_worker_and_the_scheduler() -> None:
+    """Mid-job, kill -9 the gateway running it and one worker, then the scheduler (started again): the other
+    gateway takes the job over and the new scheduler moves the worker's lines; every line is answered once, its
+    text as without the faults."""
     with sim_stack(2, gateways=2, **{**SETTINGS, "NAMESPACE": f"{NAMESPACE}-kill", "BATCH_IN_FLIGHT": "12",
                                     "RESUME_GRACE": "3"}) as stack:
         client = keyed(stack)
@@ -255,6 +256,11 @@ def test_a_job_survives_kill_9_of_its_gateway_and_of_a_worker() -> None:
         assert gateway in ports, "the lease names no gateway of this stack"
         os.kill(gateway, signal.SIGKILL)
         os.kill(worker, signal.SIGKILL)
+        time.sleep(1.0)
+        scheduler = next(p for name, p in stack.stack.processes if name == "scheduler")
+        scheduler.kill()
+        scheduler.wait()
+        stack.stack.spawn("scheduler")
         [survivor] = [url for url in stack.urls if not url.endswith(f":{ports[gateway]}")]
         client = keyed(stack, url=survivor)
         job = ended(client, job.id, timeout=300)
