@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.provenance import provenance, write_results  # noqa: E402
-from common.protocol import Keys  # noqa: E402
+from common.keys import Keys  # noqa: E402
 from llmserve.launcher import PrivateStack, private_stack, wait_until  # noqa: E402
 
 KEYS = Keys("chaos")

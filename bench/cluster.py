@@ -25,7 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.provenance import provenance, write_results  # noqa: E402
 from common.clients import sync_client  # noqa: E402
-from common.protocol import Keys, SamplingParams, StreamMeta, Submit, Token, encode, now  # noqa: E402
+from common.keys import Keys  # noqa: E402
+from common.protocol import SamplingParams, StreamMeta, Submit, Token, encode, now  # noqa: E402
 from common.resultlog import publish_results  # noqa: E402
 from common.settings import Settings  # noqa: E402
 from gateway.bus import Bus  # noqa: E402

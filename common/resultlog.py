@@ -22,7 +22,7 @@ from redis.crc import key_slot
 
 from common import scripts
 from common.clients import is_cluster, routed
-from common.protocol import Keys
+from common.keys import Keys
 from common.settings import Settings
 
 # Entries before the results in a log: the byte count and the header.

@@ -1,5 +1,5 @@
 """Every Lua script the services run on Redis, beside one another: each is one atomic step over keys that share
-a Redis Cluster slot (common/protocol.py's Keys), its KEYS and ARGV said above it. The gateway admits and meters
+a Redis Cluster slot (common/keys.py), its KEYS and ARGV said above it. The gateway admits and meters
 (ADMIT, SPEND), leases streams to their readers (EXTEND_LEASES, CLAIM_LEASES) and gives back an Idempotency-Key
 (RELEASE_CLAIM); every service publishes results (PUBLISH_RESULTS, common/resultlog.py); the schedulers elect a
 leader (LEADER_LEASE), as the gateways do for each batch job; a batch job's lines are counted once (RECORD_LINE)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.protocol import Keys, TraceEvent, encode, now
+from common.keys import Keys
+from common.protocol import TraceEvent, encode, now
 
 # A trace is small; the cap only guards against a runaway list.
 TRACE_EVENT_LIMIT = 4096

@@ -14,16 +14,12 @@ from redis.asyncio.client import Pipeline
 from common import scripts
 from common.clients import async_client, is_cluster, parse_redis_url
 from common.errors import ErrorCode
+from common.keys import INBOX_MAXLEN, PAYLOAD, REQUEST_STREAM_MAXLEN, WORKER_KEYS_TTL_SECONDS, Keys
 from common.protocol import (
-    INBOX_MAXLEN,
-    PAYLOAD,
-    REQUEST_STREAM_MAXLEN,
-    WORKER_KEYS_TTL_SECONDS,
     Cancel,
     Detokenize,
     Error,
     Heartbeat,
-    Keys,
     ModelLoad,
     ProtocolError,
     Result,

@@ -18,7 +18,7 @@ from typing import Any
 
 from common import scripts
 from common.clients import is_cluster
-from common.protocol import Keys
+from common.keys import Keys
 from common.runtime import REDIS_ERRORS, stop_task
 from common.settings import Settings
 

@@ -29,7 +29,8 @@ from redis.exceptions import RedisError
 
 from common.clients import RedisTarget, async_sentinel, parse_redis_url
 from common.errors import ErrorCode
-from common.protocol import Error, Keys, Result
+from common.keys import Keys
+from common.protocol import Error, Result
 from gateway.mailbox import Mailbox, Readers
 
 log = logging.getLogger("gateway")

@@ -1,5 +1,5 @@
 """Per-request delivery in a Redis Cluster: sharded pub/sub. A request's results channel lives in its
-request's slot (common/protocol.py's Keys) and its worker SPUBLISHes there (common/resultlog.py), so the
+request's slot (common/keys.py) and its worker SPUBLISHes there (common/resultlog.py), so the
 gateway SSUBSCRIBEs on the node that serves that slot: one raw, hiredis-parsed connection per primary,
 each with a pump routing its messages to their mailboxes as in gateway/results.py. The cluster client's
 slot map says which node serves a channel.
@@ -33,7 +33,8 @@ import hiredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from common.clients import RedisTarget
-from common.protocol import Error, Keys, Result
+from common.keys import Keys
+from common.protocol import Error, Result
 from common.runtime import REDIS_ERRORS, stop_task
 from gateway.mailbox import Mailbox, Readers, Route
 from gateway.results import FIRST_CONNECT_SECONDS, MOVED, NODE_LOST, READ_BYTES, command, open_node

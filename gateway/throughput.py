@@ -9,7 +9,7 @@ import logging
 import time
 from typing import Any
 
-from common.protocol import Keys
+from common.keys import Keys
 from common.runtime import REDIS_ERRORS, stop_task
 
 log = logging.getLogger("gateway")

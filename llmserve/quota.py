@@ -6,7 +6,7 @@ key the defaults again; without limits, it prints the key's quota and what it ha
 from __future__ import annotations
 
 from common.clients import sync_client
-from common.protocol import Keys
+from common.keys import Keys
 from common.settings import Settings
 from gateway.middleware import tenant_of
 

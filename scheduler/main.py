@@ -26,24 +26,8 @@ import redis
 from common import scripts
 from common.clients import sync_client
 from common.errors import ErrorCode
-from common.protocol import (
-    INBOX_MAXLEN,
-    PAYLOAD,
-    REQUEST_STREAM_MAXLEN,
-    SCHEDULER_GROUP,
-    WORKER_KEYS_TTL_SECONDS,
-    Batch,
-    Cancel,
-    Finished,
-    Handoff,
-    Keys,
-    RequestMessage,
-    Returned,
-    Submit,
-    WorkerEvent,
-    encode,
-    now,
-)
+from common.keys import INBOX_MAXLEN, PAYLOAD, REQUEST_STREAM_MAXLEN, SCHEDULER_GROUP, WORKER_KEYS_TTL_SECONDS, Keys
+from common.protocol import Batch, Cancel, Finished, Handoff, RequestMessage, Returned, Submit, WorkerEvent, encode, now
 from common.runtime import REDIS_ERRORS, Backoff, decode_or_drop, redis_trouble, service_id
 from common.settings import Settings
 from common.telemetry import serve_metrics, setup_logging

@@ -9,7 +9,8 @@ import logging
 import redis
 
 from common.errors import ErrorCode
-from common.protocol import DEAD_LETTER_MAXLEN, SCHEDULER_GROUP, Error, Keys, Submit, encode, now
+from common.keys import DEAD_LETTER_MAXLEN, SCHEDULER_GROUP, Keys
+from common.protocol import Error, Submit, encode, now
 from common.resultlog import publish_results
 from common.settings import Settings
 from common.trace import stamp

@@ -10,16 +10,8 @@ from collections.abc import Callable
 import redis
 
 from common.errors import ErrorCode
-from common.protocol import (
-    PAYLOAD,
-    REQUEST_STREAM_MAXLEN,
-    WORKER_KEYS_TTL_SECONDS,
-    Keys,
-    ProtocolError,
-    Submit,
-    encode,
-    now,
-)
+from common.keys import PAYLOAD, REQUEST_STREAM_MAXLEN, WORKER_KEYS_TTL_SECONDS, Keys
+from common.protocol import ProtocolError, Submit, encode, now
 from common.runtime import decode_or_drop, parse_heartbeats
 from common.settings import Settings
 from scheduler import metrics

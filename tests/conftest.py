@@ -16,7 +16,8 @@ import pytest
 import redis
 
 from common.clients import sync_client
-from common.protocol import Keys, SamplingParams
+from common.keys import Keys
+from common.protocol import SamplingParams
 from common.settings import Settings
 from llmserve.launcher import PrivateStack, Stack, free_port, private_stack, start_redis
 from llmserve.launcher import wait_until as wait_for

@@ -21,7 +21,7 @@ import pytest
 import redis
 import yaml
 
-from common.protocol import Keys
+from common.keys import Keys
 from common.settings import Settings
 from llmserve.launcher import PrivateStack, wait_until
 from tests.conftest import sim_stack

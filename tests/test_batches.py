@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from common.clients import sync_client
-from common.protocol import Keys
+from common.keys import Keys
 from gateway.batch_lines import read_lines, window_seconds
 from gateway.errors import ApiError
 from llmserve.launcher import PrivateStack

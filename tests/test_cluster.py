@@ -24,7 +24,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from common.clients import async_client, parse_redis_url, sync_client
 from common.errors import ErrorCode
-from common.protocol import Done, Error, Keys, Token, encode
+from common.keys import Keys
+from common.protocol import Done, Error, Token, encode
 from common.resultlog import publish_results
 from common.scripts import PUBLISH_RESULTS
 from common.settings import Settings, SettingsError

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import redis
 
-from common.protocol import Keys
+from common.keys import Keys
 from tests.conftest import dispatched_to, sim_stack, wait_for, workers_of
 from tests.sse import Reading, Streamed, read_in_background
 from worker.sim import VOCAB, sim_token

@@ -15,7 +15,8 @@ import pytest
 import redis
 
 from common.clients import sync_client
-from common.protocol import Error, Keys, Result, SamplingParams, Submit, decode
+from common.keys import Keys
+from common.protocol import Error, Result, SamplingParams, Submit, decode
 from common.settings import Settings
 from llmserve.launcher import PrivateStack, Stack, free_port, private_stack
 from llmserve.launcher import wait_until as wait_for

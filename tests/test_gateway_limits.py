@@ -21,7 +21,7 @@ import httpx
 import pytest
 import redis
 
-from common.protocol import PAYLOAD, Keys
+from common.keys import PAYLOAD, Keys
 from llmserve.launcher import PrivateStack, Stack, free_port
 from tests.conftest import redis_server, responds, sim_stack, wait_for
 

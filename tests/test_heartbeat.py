@@ -13,7 +13,8 @@ import threading
 from pathlib import Path
 
 from common.clients import sync_client
-from common.protocol import Heartbeat, Keys, decode
+from common.keys import Keys
+from common.protocol import Heartbeat, decode
 from common.settings import Settings
 from llmserve.launcher import wait_until
 from tests.conftest import redis_server

@@ -18,7 +18,7 @@ import jsonschema
 import pytest
 import yaml
 
-from common.protocol import Keys
+from common.keys import Keys
 from common.settings import OWN_ENGINE_SLOTS, env_names
 from llmserve.launcher import SERVICE_COMMANDS
 from tests.test_compose import compose

@@ -18,7 +18,8 @@ import httpx
 import pytest
 
 from common.clients import sync_client
-from common.protocol import PAYLOAD, Batch, Heartbeat, Keys, ModelLoad, SamplingParams, Submit, decode, encode
+from common.keys import PAYLOAD, Keys
+from common.protocol import Batch, Heartbeat, ModelLoad, SamplingParams, Submit, decode, encode
 from llmserve.launcher import PrivateStack, free_port, private_stack, wait_until, worker_counts
 from scheduler.policy import Queued, WaitingQueue, WorkerState, model_figures, plan
 from tests.conftest import pid_of

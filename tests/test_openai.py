@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from common.protocol import Keys
+from common.keys import Keys
 from common.settings import Settings
 from gateway.app import create_app
 from tests.conftest import RunningStack, openai_client, wait_for

@@ -11,7 +11,8 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from common.protocol import Done, Error, Keys, Token, encode
+from common.keys import Keys
+from common.protocol import Done, Error, Token, encode
 from gateway.mailbox import Mailbox
 from gateway.results import ResultRouter, command
 from tests.conftest import redis_server

@@ -21,7 +21,8 @@ import pytest
 import redis
 
 from common.clients import sync_client
-from common.protocol import Done, Heartbeat, Keys, SamplingParams, StreamMeta, Submit, Token, decode, encode
+from common.keys import Keys
+from common.protocol import Done, Heartbeat, SamplingParams, StreamMeta, Submit, Token, decode, encode
 from common.resultlog import LOG_HEAD, publish_results
 from common.settings import Settings
 from gateway.errors import ApiError

@@ -9,20 +9,8 @@ import pytest
 import redis
 
 from common.errors import ErrorCode
-from common.protocol import (
-    PAYLOAD,
-    WORKER_KEYS_TTL_SECONDS,
-    Batch,
-    Error,
-    Finished,
-    Heartbeat,
-    Keys,
-    Result,
-    SamplingParams,
-    Submit,
-    decode,
-    encode,
-)
+from common.keys import PAYLOAD, WORKER_KEYS_TTL_SECONDS, Keys
+from common.protocol import Batch, Error, Finished, Heartbeat, Result, SamplingParams, Submit, decode, encode
 from common.settings import Settings
 from scheduler.main import Scheduler
 from scheduler.policy import BATCH_OVERHEAD

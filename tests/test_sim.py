@@ -11,7 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import redis
 
-from common.protocol import Heartbeat, Keys, SamplingParams, Submit, decode
+from common.keys import Keys
+from common.protocol import Heartbeat, SamplingParams, Submit, decode
 from tests.conftest import sim_stack, trace, wait_for
 from tests.sse import events
 from worker.sim import VOCAB, SimEngine, SimModel, sim_token

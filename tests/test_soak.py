@@ -19,7 +19,7 @@ import psutil
 import pytest
 import redis
 
-from common.protocol import Keys
+from common.keys import Keys
 from llmserve.launcher import PrivateStack, free_port, private_stack
 from llmserve.launcher import wait_until as wait_for
 from tests.sse import read

@@ -7,7 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from common.protocol import PAYLOAD, Heartbeat, decode
+from common.keys import PAYLOAD
+from common.protocol import Heartbeat, decode
 from tests.conftest import RunningStack, trace, wait_for
 from tests.sse import events, stream
 

@@ -20,7 +20,7 @@ import psutil
 import pytest
 import redis
 
-from common.protocol import Keys
+from common.keys import Keys
 from llmserve.launcher import free_port, redis_reachable
 from llmserve.launcher import wait_until as wait_for
 from tests.conftest import pid_of

@@ -22,7 +22,8 @@ import pytest
 import redis
 
 from common.clients import sync_client
-from common.protocol import Heartbeat, Keys, decode
+from common.keys import Keys
+from common.protocol import Heartbeat, decode
 from llmserve.launcher import PrivateStack, free_port, private_stack
 from llmserve.launcher import wait_until as wait_for
 from tests.conftest import pid_of

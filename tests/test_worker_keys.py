@@ -10,7 +10,7 @@ import contextlib
 import redis
 
 from common.clients import sync_client
-from common.protocol import Keys
+from common.keys import Keys
 from tests.conftest import pid_of, sim_stack, wait_for
 from tests.sse import Reading, read_in_background
 

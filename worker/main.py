@@ -15,10 +15,9 @@ import redis
 
 from common.clients import sync_client
 from common.errors import ErrorCode
+from common.keys import EVENT_STREAM_MAXLEN, PAYLOAD, Keys
 from common.prefix import prefix_keys
 from common.protocol import (
-    EVENT_STREAM_MAXLEN,
-    PAYLOAD,
     Batch,
     Cancel,
     Detokenize,
@@ -28,7 +27,6 @@ from common.protocol import (
     Handoff,
     Heartbeat,
     InboxMessage,
-    Keys,
     ProtocolError,
     Returned,
     Submit,
