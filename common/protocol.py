@@ -21,6 +21,10 @@ class ProtocolError(ValueError):
     """A message on the bus that cannot be decoded or is too large."""
 
 
+# A logit_bias this low (OpenAI's floor) bans the token outright rather than merely lowering it.
+BAN_BIAS = 100.0
+
+
 class SamplingParams(msgspec.Struct, frozen=True):
     max_tokens: int = 20
     temperature: float = 0.7

@@ -19,8 +19,9 @@ from common.settings import Settings, SettingsError
 from gateway.engine_limits import refusal
 from gateway.schemas import GenerateRequest
 from worker.engines import choose, gguf_architecture
+from worker.vllm import DELIVERED
 from worker.vllm import model as vllm_model
-from worker.vllm.engine import DELIVERED, as_lark, resumed_biases, sampling_arguments
+from worker.vllm.sampling import as_lark, resumed_biases, sampling_arguments
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 

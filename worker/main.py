@@ -8,8 +8,6 @@ import logging
 import signal
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any
 
 import redis
 
@@ -43,24 +41,11 @@ from common.trace import stamp
 from common.tracing import Tracing
 from worker import compat_metrics, engines, metrics
 from worker.core import Engine, GrammarError, Model, PromptTooLong, StepOutput, StepResult
+from worker.timing import Timing
 
 log = logging.getLogger("worker")
 
 PROGRESS_TTL_SECONDS = 3600
-
-@dataclass
-class Timing:
-    """When this worker took a request and sent its first token, for the trace and the metrics."""
-
-    queue_s: float
-    first_token_at: float = 0.0
-    span: Any = None  # its OpenTelemetry span, when tracing is on
-
-    def decode_summary(self, tokens: int) -> dict[str, float]:
-        """The later tokens of a request, summarised in its `finished` hop rather than stamped one by one."""
-        decode_s = now() - self.first_token_at if self.first_token_at else 0.0
-        return {"decode_ms": round(decode_s * 1000, 3), "mean_itl_ms": round(decode_s * 1000 / max(tokens - 1, 1), 3)}
-
 
 class Worker:
     def __init__(self, settings: Settings, loaded: Model, engine: Engine) -> None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.protocol import SamplingParams
+from common.protocol import BAN_BIAS, SamplingParams
 
 if TYPE_CHECKING:
     from worker.output import SequenceText
@@ -23,8 +23,6 @@ log = logging.getLogger("worker")
 MAX_TOP_LOGPROBS = 20
 # Below this temperature sampling is greedy in all but name, and dividing by it would overflow.
 GREEDY_BELOW = 1e-5
-# A logit_bias this low (OpenAI's floor) bans the token outright rather than merely lowering it.
-BAN_BIAS = 100.0
 # A top-p row without top_k looks for its nucleus among this many most likely tokens before it sorts them all.
 NUCLEUS_CANDIDATES = 1024
 
