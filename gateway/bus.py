@@ -37,6 +37,7 @@ from common.settings import Settings
 from common.trace import stamp
 from gateway import metrics
 from gateway.leases import Leases
+from gateway.mailbox import Router
 from gateway.results import ResultRouter
 from gateway.shards import ShardedRouter
 from gateway.throughput import SharedThroughput
@@ -77,7 +78,7 @@ class Bus:
         # "Too many connections"; each command holds one for well under a millisecond.
         self.redis = async_client(settings.redis_url, POOL_CONNECTIONS, POOL_WAIT_SECONDS)
         self.cluster = is_cluster(settings.redis_url)
-        self.router: ResultRouter | ShardedRouter = (
+        self.router: Router = (
             ShardedRouter(self.redis, parse_redis_url(settings.redis_url), self.keys, self.limit,
                           settings.client_buffer_bytes) if self.cluster
             else ResultRouter(settings.redis_url, self.keys, self.limit, settings.client_buffer_bytes))
@@ -99,8 +100,7 @@ class Bus:
     async def ping(self) -> None:
         """Raises unless Redis answers (in a cluster, also while a node is known to be unreachable)."""
         await self.redis.ping()
-        if isinstance(self.router, ShardedRouter):
-            self.router.check()
+        self.router.check()
 
     async def stop(self) -> None:
         await self.leases.stop()

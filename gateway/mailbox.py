@@ -13,7 +13,9 @@ import asyncio
 import logging
 import struct
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from common.errors import ErrorCode
 from common.protocol import Error, ProtocolError, Result, decode, encode
@@ -87,6 +89,22 @@ class Mailbox:
 
 
 Route = tuple[Mailbox, int]  # a mailbox, and the choice whose results a channel carries
+
+
+class Router(Protocol):
+    """What carries results from Redis to mailboxes: one pub/sub connection to one server (gateway/results.py), or
+    one per node of a Redis Cluster (gateway/shards.py). The gateway's bus and streams see only this."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def check(self) -> None:
+        """Raise while results cannot be received (for /health)."""
+
+    def open(self, request_ids: list[str], on_overflow: Callable[[], None] | None = None,
+             kind: object = Result) -> AbstractAsyncContextManager[Mailbox]:
+        """Subscribe to each request's channel; usable once Redis has confirmed every subscription."""
 
 
 class Readers:

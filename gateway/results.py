@@ -107,6 +107,8 @@ async def connect(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
 class ResultRouter:
+    """The gateway's results from one server: a Router (gateway/mailbox.py) over one pub/sub connection."""
+
     def __init__(self, redis_url: str, keys: Keys, limit: int, buffer_bytes: int = 0) -> None:
         self.redis_url = redis_url
         self.target = parse_redis_url(redis_url)
@@ -128,6 +130,9 @@ class ResultRouter:
         self.pump = asyncio.create_task(self._pump())
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.connected.wait(), FIRST_CONNECT_SECONDS)
+
+    def check(self) -> None:
+        """A single server's reachability is its ping's (gateway/bus.py)."""
 
     async def stop(self) -> None:
         if self.pump:

@@ -183,7 +183,7 @@ class NodeLink:
 
 
 class ShardedRouter:
-    """The gateway's results in a cluster: ResultRouter's interface (start, stop, open)."""
+    """The gateway's results in a cluster: a Router (gateway/mailbox.py) with a connection per node."""
 
     def __init__(self, cluster: Any, target: RedisTarget, keys: Keys, limit: int, buffer_bytes: int = 0) -> None:
         self.cluster = cluster  # a redis.asyncio.RedisCluster: its slot map
