@@ -14,7 +14,7 @@ from redis.asyncio.client import Pipeline
 from common import scripts
 from common.clients import async_client, is_cluster, parse_redis_url
 from common.errors import ErrorCode
-from common.keys import INBOX_MAXLEN, PAYLOAD, REQUEST_STREAM_MAXLEN, WORKER_KEYS_TTL_SECONDS, Keys
+from common.keys import REQUEST_STREAM_MAXLEN, Keys
 from common.protocol import (
     Cancel,
     Detokenize,
@@ -34,6 +34,7 @@ from common.protocol import (
 from common.resultlog import LOG_HEAD, publish_results
 from common.runtime import REDIS_ERRORS
 from common.settings import Settings
+from common.streams import StreamWriter
 from common.trace import stamp
 from gateway import metrics
 from gateway.leases import Leases
@@ -74,6 +75,7 @@ class Bus:
         self.settings = settings
         self.limit = settings.max_message_bytes
         self.keys = Keys(settings.namespace)
+        self.streams = StreamWriter(self.keys, self.limit)
         # A burst of a thousand arrivals waits its turn for a connection instead of failing with
         # "Too many connections"; each command holds one for well under a millisecond.
         self.redis = async_client(settings.redis_url, POOL_CONNECTIONS, POOL_WAIT_SECONDS)
@@ -259,8 +261,7 @@ class Bus:
             payload = encode(error, self.limit)
             publish_results(pipe, self.keys, self.settings, [(rid, payload, "") for rid in pending])
         for rid in pending:
-            pipe.xadd(self.keys.requests, {PAYLOAD: encode(Cancel(rid), self.limit)},
-                      maxlen=REQUEST_STREAM_MAXLEN, approximate=True)
+            self.streams.request(pipe, Cancel(rid))
             self._stamp(pipe, rid, "cancelled")
         for rid in delivered:
             self._stamp(pipe, rid, "delivered")
@@ -330,11 +331,8 @@ class Bus:
 
     async def tell(self, worker_id: str, message: Tokenize | Detokenize) -> None:
         """A question for one worker (not a request: the scheduler has no part in it), into its inbox."""
-        inbox = self.keys.inbox(worker_id)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.xadd(inbox, {PAYLOAD: encode(message, self.limit)}, maxlen=INBOX_MAXLEN, approximate=True)
-        # The worker may be lost, and its inbox deleted, by the time this lands: then nobody deletes it again.
-        pipe.expire(inbox, WORKER_KEYS_TTL_SECONDS)
+        self.streams.inbox(pipe, worker_id, message)
         await pipe.execute()
 
     # What the watching routes read.

@@ -26,10 +26,11 @@ import redis
 from common import scripts
 from common.clients import sync_client
 from common.errors import ErrorCode
-from common.keys import INBOX_MAXLEN, PAYLOAD, REQUEST_STREAM_MAXLEN, SCHEDULER_GROUP, WORKER_KEYS_TTL_SECONDS, Keys
+from common.keys import PAYLOAD, SCHEDULER_GROUP, WORKER_KEYS_TTL_SECONDS, Keys
 from common.protocol import Batch, Cancel, Finished, Handoff, RequestMessage, Returned, Submit, WorkerEvent, encode, now
 from common.runtime import REDIS_ERRORS, Backoff, decode_or_drop, redis_trouble, service_id
 from common.settings import Settings
+from common.streams import StreamWriter
 from common.telemetry import serve_metrics, setup_logging
 from common.tracing import Tracing
 from scheduler import compat_metrics, metrics
@@ -58,6 +59,7 @@ class Scheduler:
         self.keys = Keys(settings.namespace)
         self.redis = sync_client(settings.redis_url)
         self.limit = settings.max_message_bytes
+        self.streams = StreamWriter(self.keys, self.limit)
         self.id = service_id()
         self.stopping = False
         self.first_take_over = True
@@ -231,8 +233,7 @@ class Scheduler:
             return
         for worker in self.roster.workers.values():
             if rid in worker.assigned:
-                pipe.xadd(self.keys.inbox(worker.worker_id), {PAYLOAD: encode(cancel, self.limit)})
-                pipe.expire(self.keys.inbox(worker.worker_id), WORKER_KEYS_TTL_SECONDS)
+                self.streams.inbox(pipe, worker.worker_id, cancel)
                 log.info("cancel forwarded", extra={"request_id": rid, "worker_id": worker.worker_id})
                 return
 
@@ -266,7 +267,7 @@ class Scheduler:
         if not submit.migrations:
             pipe.incrby(self.keys.queued, 1)
             pipe.incrby(self.keys.queued_bytes, len(payload))
-        pipe.xadd(self.keys.requests, {PAYLOAD: payload}, maxlen=REQUEST_STREAM_MAXLEN, approximate=True)
+        self.streams.request(pipe, payload)
 
     def _publish_models(self) -> None:
         """Each model's requests waiting and running, for the metrics and, through Redis, for each gateway's
@@ -310,10 +311,8 @@ class Scheduler:
             batch = Batch(uuid.uuid4().hex[:12], [item.submit for item in items])
             pipe.hset(self.keys.assigned(worker_id),
                       mapping={item.request_id: encode(item.submit, self.limit) for item in items})
-            pipe.xadd(self.keys.inbox(worker_id), {PAYLOAD: encode(batch, self.limit)},
-                      maxlen=INBOX_MAXLEN, approximate=True)
-            for key in (self.keys.assigned(worker_id), self.keys.inbox(worker_id)):
-                pipe.expire(key, WORKER_KEYS_TTL_SECONDS)
+            self.streams.inbox(pipe, worker_id, batch)
+            pipe.expire(self.keys.assigned(worker_id), WORKER_KEYS_TTL_SECONDS)
             metrics.BATCHES.inc()
             for item in items:
                 self.roster.workers[worker_id].assigned[item.request_id] = item.tenant

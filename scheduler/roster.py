@@ -10,10 +10,11 @@ from collections.abc import Callable
 import redis
 
 from common.errors import ErrorCode
-from common.keys import PAYLOAD, REQUEST_STREAM_MAXLEN, WORKER_KEYS_TTL_SECONDS, Keys
+from common.keys import WORKER_KEYS_TTL_SECONDS, Keys
 from common.protocol import ProtocolError, Submit, encode, now
 from common.runtime import decode_or_drop, parse_heartbeats
 from common.settings import Settings
+from common.streams import StreamWriter
 from scheduler import metrics
 from scheduler.outcomes import Outcomes
 from scheduler.policy import BATCH_OVERHEAD, WorkerState, runs_as
@@ -28,6 +29,7 @@ class Roster:
         self.redis, self.keys, self.settings, self.outcomes = redis_client, keys, settings, outcomes
         self.read_events = read_events
         self.limit = settings.max_message_bytes
+        self.streams = StreamWriter(keys, self.limit)
         self.workers: dict[str, WorkerState] = {}
         self.model_of: dict[str, str] = {}  # request_id -> its model, while a worker runs it
         self.next_refresh = 0.0
@@ -141,4 +143,4 @@ class Roster:
         self.outcomes.stamp(pipe, rid, "migrated", resume_tokens=len(delivered), migrations=submit.migrations)
         log.warning("migrating", extra={"request_id": rid, "resume_tokens": len(delivered),
                                         "migrations": submit.migrations})
-        pipe.xadd(self.keys.requests, {PAYLOAD: payload}, maxlen=REQUEST_STREAM_MAXLEN, approximate=True)
+        self.streams.request(pipe, payload)

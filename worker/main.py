@@ -13,7 +13,7 @@ import redis
 
 from common.clients import sync_client
 from common.errors import ErrorCode
-from common.keys import EVENT_STREAM_MAXLEN, PAYLOAD, Keys
+from common.keys import PAYLOAD, Keys
 from common.prefix import prefix_keys
 from common.protocol import (
     Batch,
@@ -36,6 +36,7 @@ from common.protocol import (
 from common.resultlog import publish_results
 from common.runtime import REDIS_ERRORS, Backoff, decode_or_drop, parse_heartbeats, redis_trouble, service_id
 from common.settings import Settings
+from common.streams import StreamWriter
 from common.telemetry import serve_metrics, setup_logging
 from common.trace import stamp
 from common.tracing import Tracing
@@ -51,6 +52,7 @@ class Worker:
     def __init__(self, settings: Settings, loaded: Model, engine: Engine) -> None:
         self.settings = settings
         self.keys = Keys(settings.namespace)
+        self.streams = StreamWriter(self.keys, settings.max_message_bytes)
         self.redis = sync_client(settings.redis_url)
         self.id = service_id()
         self.loaded = loaded
@@ -108,8 +110,7 @@ class Worker:
             self.redis.srem(self.keys.workers, self.id)
             self.redis.delete(self.keys.heartbeat(self.id))
             if self.handing_off and self.engine.has_work():
-                self.redis.xadd(self.keys.events, {PAYLOAD: encode(Handoff(self.id), self.settings.max_message_bytes)},
-                                maxlen=EVENT_STREAM_MAXLEN, approximate=True)
+                self.streams.event(self.redis, Handoff(self.id))
         log.info("worker stopped", extra={"worker_id": self.id, "left_running": self.engine.running_count,
                                           "handed_off": self.handing_off})
 
@@ -268,9 +269,7 @@ class Worker:
         log.warning("returned to the queue", extra={"request_id": submit.request_id, "model": submit.model,
                                                     "worker_id": self.id})
         self._stamp(pipe, submit.request_id, "returned", worker_id=self.id, reason=reason)
-        event = Returned(self.id, submit.request_id, reason)
-        pipe.xadd(self.keys.events, {PAYLOAD: encode(event, self.settings.max_message_bytes)},
-                  maxlen=EVENT_STREAM_MAXLEN, approximate=True)
+        self.streams.event(pipe, Returned(self.id, submit.request_id, reason))
 
     def _start(self, submit: Submit) -> None:
         if len(submit.resume) >= submit.params.max_tokens:
@@ -372,9 +371,7 @@ class Worker:
         compat_metrics.released(self.names[0], hop, detail.get("reason"))
         self._stamp(pipe, request_id, hop, worker_id=self.id, **detail)
         pipe.delete(self.keys.progress(request_id))
-        event = Finished(self.id, request_id)
-        pipe.xadd(self.keys.events, {PAYLOAD: encode(event, self.settings.max_message_bytes)},
-                  maxlen=EVENT_STREAM_MAXLEN, approximate=True)
+        self.streams.event(pipe, Finished(self.id, request_id))
 
 
 def build_engine(settings: Settings) -> tuple[Model, Engine]:
