@@ -199,7 +199,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat"):
     draining: bool = False
     metrics_port: int = 0
     vocab: int = 0
-    # Text keys (common/prefix.py) of prompt prefixes whose blocks its prefix cache holds, the most recently
+    # Text keys (common/prefix_keys.py) of prompt prefixes whose blocks its prefix cache holds, the most recently
     # admitted first and at most a few hundred: the scheduler sends requests sharing them its way. They live
     # as long as the heartbeat key (WORKER_TTL).
     prefixes: list[int] = msgspec.field(default_factory=list)

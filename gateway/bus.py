@@ -14,6 +14,7 @@ from redis.asyncio.client import Pipeline
 from common import scripts
 from common.clients import async_client, is_cluster, parse_redis_url
 from common.errors import ErrorCode
+from common.journey import stamp
 from common.keys import REQUEST_STREAM_MAXLEN, Keys
 from common.protocol import (
     Cancel,
@@ -35,7 +36,6 @@ from common.resultlog import LOG_HEAD, publish_results
 from common.runtime import REDIS_ERRORS
 from common.settings import Settings
 from common.streams import StreamWriter
-from common.trace import stamp
 from gateway import metrics
 from gateway.leases import Leases
 from gateway.mailbox import Router

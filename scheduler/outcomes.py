@@ -9,11 +9,11 @@ import logging
 import redis
 
 from common.errors import ErrorCode
+from common.journey import stamp
 from common.keys import DEAD_LETTER_MAXLEN, SCHEDULER_GROUP, Keys
 from common.protocol import Error, Submit, encode, now
 from common.resultlog import publish_results
 from common.settings import Settings
-from common.trace import stamp
 from scheduler import metrics
 from scheduler.policy import Queued
 

@@ -9,7 +9,7 @@
   meaning) goes first within a tenant, and between tenants that run as many: it never buys more
   than a tenant's fair share (without API keys every request is its own tenant, running none).
 - Each request goes to the worker with the most free slots, unless a worker that caches the
-  request's prefix (by the text keys of common/prefix.py) has room and at least half as many
+  request's prefix (by the text keys of common/prefix_keys.py) has room and at least half as many
   free slots: a cache hit is worth a little imbalance, never a wait while another worker has
   room. Each worker's share is cut into batches that fit one bus message.
 - The lines of batch jobs (`Submit.background`) wait in a lane of their own, per model: one starts only while no
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from common.prefix import prefix_keys
+from common.prefix_keys import prefix_keys
 from common.protocol import ModelLoad, Submit
 
 # Bytes of a Batch message around its sequences (tag, field names, batch id), with room to spare.

@@ -92,7 +92,7 @@ def _on_worker(stack: RunningStack, request_id: str) -> tuple[str, float, float]
     return worker, hops["admitted"]["at"], hops["finished"]["at"]
 
 
-# A prompt long enough to have a prefix key (common/prefix.py): once a worker has it, the scheduler sends the
+# A prompt long enough to have a prefix key (common/prefix_keys.py): once a worker has it, the scheduler sends the
 # requests that share it there, together.
 SHARED = "Answer with the name of a city. " * 9 + PROMPT
 

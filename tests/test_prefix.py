@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from common.errors import SettingsError
-from common.prefix import MAX_KEYS, TEXT_BLOCK, prefix_keys
+from common.prefix_keys import MAX_KEYS, TEXT_BLOCK, prefix_keys
 from common.protocol import ChatMessage, Heartbeat, SamplingParams, Submit, decode, encode
 from common.settings import Settings
 from llmserve.bench.client import Sampling, Target

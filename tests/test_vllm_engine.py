@@ -178,7 +178,7 @@ def test_the_gateway_refuses_what_a_vllm_worker_cannot_do_naming_the_field() -> 
 
 
 def test_the_heartbeat_reads_vllms_prefix_report_without_touching_its_block_pool() -> None:
-    from common.prefix import TextPrefix
+    from common.prefix_keys import TextPrefix
     from worker.vllm.engine import VllmPrefixes
 
     class Pool:

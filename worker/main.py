@@ -13,8 +13,9 @@ import redis
 
 from common.clients import sync_client
 from common.errors import ErrorCode
+from common.journey import stamp
 from common.keys import PAYLOAD, Keys
-from common.prefix import prefix_keys
+from common.prefix_keys import prefix_keys
 from common.protocol import (
     Batch,
     Cancel,
@@ -38,7 +39,6 @@ from common.runtime import REDIS_ERRORS, Backoff, decode_or_drop, parse_heartbea
 from common.settings import Settings
 from common.streams import StreamWriter
 from common.telemetry import serve_metrics, setup_logging
-from common.trace import stamp
 from common.tracing import Tracing
 from worker import compat_metrics, engines, metrics
 from worker.core import Engine, GrammarError, Model, PromptTooLong, StepOutput, StepResult

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Generic, Protocol, TypeVar
 
-from common.prefix import TextPrefix
+from common.prefix_keys import TextPrefix
 
 # PREFIX_CACHE_BYTES=auto: this share of the memory left once the model has loaded (workers that share a host start
 # alike, each seeing the same memory), and at least the floor.
@@ -131,7 +131,7 @@ class PrefixStore(Generic[B]):
 
 
 class HeldPrefixes:
-    """Which text keys (common/prefix.py) the worker's cache can serve, for its heartbeat. A key maps to the
+    """Which text keys (common/prefix_keys.py) the worker's cache can serve, for its heartbeat. A key maps to the
     digest of the last block its text covers (estimated from the key's share of the text, one block short to
     be safe); it is held while that block is stored. Bounded: the oldest keys are forgotten first. Another
     engine's cache (worker/vllm/engine.py) overrides how blocks are named and looked up."""
