@@ -274,18 +274,33 @@ async function loadModels() {
 
 // ---------- cluster ----------
 
+// A table cell with a bar filled `part` of `whole`, and its figures beside it.
+function meterCell(kind, part, whole, title, figures) {
+  const meter = el("span", "meter");
+  meter.title = title;
+  const fill = el("span");
+  fill.style.width = `${whole ? (100 * part) / whole : 0}%`;
+  meter.append(fill);
+  const cell = el("td", kind);
+  cell.append(meter, el("span", "slot-count", figures));
+  return cell;
+}
+
+function emptyRow(text, columns) {
+  const cell = el("td", "empty", text);
+  cell.colSpan = columns;
+  const row = el("tr");
+  row.append(cell);
+  return row;
+}
+
 function workerRow(worker) {
   const row = el("tr", "worker");
   const free = Math.max(worker.slots - worker.running, 0);
   const id = el("td", "id", worker.id);
   id.title = worker.id;
-  const meter = el("span", "meter");
-  meter.title = `${worker.running} of ${worker.slots} slots running`;
-  const fill = el("span");
-  fill.style.width = `${worker.slots ? (100 * worker.running) / worker.slots : 0}%`;
-  meter.append(fill);
-  const slots = el("td", "slots");
-  slots.append(meter, el("span", "slot-count", `${worker.running} / ${free}`));
+  const slots = meterCell("slots", worker.running, worker.slots, `${worker.running} of ${worker.slots} slots running`,
+                          `${worker.running} / ${free}`);
   const status = el("td");
   status.append(el("span", worker.draining ? "badge draining" : "badge", worker.draining ? "draining" : "serving"));
   row.append(id, el("td", "", worker.model), slots, el("td", "", String(worker.waiting)), status);
@@ -301,13 +316,8 @@ async function refreshCluster() {
     $("cluster-tps").textContent = cluster.tokens_per_s.toFixed(1);
     $("worker-count").textContent = cluster.workers.length;
     const rows = cluster.workers.map(workerRow);
-    if (!rows.length) {
-      const cell = el("td", "empty", "No live workers: requests wait in the queue until one joins.");
-      cell.colSpan = 5;
-      rows.push(el("tr"));
-      rows[0].append(cell);
-    }
-    $("workers").replaceChildren(...rows);
+    $("workers").replaceChildren(...(rows.length ? rows
+      : [emptyRow("No live workers: requests wait in the queue until one joins.", 5)]));
     state.chartHistory = cluster.history;
     drawChart();
     $("cluster-status").textContent = `updated ${new Date().toLocaleTimeString()}`;
@@ -323,13 +333,8 @@ function batchRow(job) {
   row.dataset.batchId = job.id;
   const counts = job.request_counts;
   const done = counts.completed + counts.failed;
-  const meter = el("span", "meter");
-  meter.title = `${done} of ${counts.total} lines answered`;
-  const fill = el("span");
-  fill.style.width = `${counts.total ? (100 * done) / counts.total : 0}%`;
-  meter.append(fill);
-  const progress = el("td", "progress");
-  progress.append(meter, el("span", "slot-count", `${done} / ${counts.total}`));
+  const progress = meterCell("progress", done, counts.total, `${done} of ${counts.total} lines answered`,
+                             `${done} / ${counts.total}`);
   const id = el("td", "id", job.id);
   id.title = job.id;
   const status = el("td", "status");
@@ -345,13 +350,7 @@ async function refreshBatches() {
     if (!response.ok) throw new Error(await errorMessage(response));
     const { data } = await response.json();
     const rows = data.map(batchRow);
-    if (!rows.length) {
-      const cell = el("td", "empty", "No batch jobs for this key.");
-      cell.colSpan = 5;
-      rows.push(el("tr"));
-      rows[0].append(cell);
-    }
-    $("batch-jobs").replaceChildren(...rows);
+    $("batch-jobs").replaceChildren(...(rows.length ? rows : [emptyRow("No batch jobs for this key.", 5)]));
     $("batches-status").textContent = `updated ${new Date().toLocaleTimeString()}`;
   } catch (error) {
     $("batches-status").textContent = `unavailable: ${error.message}`;
