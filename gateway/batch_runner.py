@@ -16,6 +16,7 @@ import os
 import socket
 import time
 import uuid
+from collections import deque
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -88,7 +89,6 @@ class JobRun:
     def __init__(self, runner: BatchRunner, batch_id: str) -> None:
         self.runner, self.batch_id = runner, batch_id
         self.store, self.bus = runner.store, runner.bus
-        self.window = asyncio.Semaphore(self.bus.settings.batch_in_flight)
         self.tasks: list[asyncio.Task[None]] = []
         self.ending: str | None = None  # "cancelled" or "expired", once decided
         self.lost = False
@@ -119,10 +119,12 @@ class JobRun:
         if job.status == "cancelling":
             self.ending = "cancelled"
         else:
-            answers, in_flight = await self.store.answered(job.id), await self.store.in_flight(job.id)
-            todo = sorted((line for line in lines if line.number not in answers),
-                          key=lambda line: line.number not in in_flight)  # the running first: their leases lapse
-            self.tasks = [asyncio.create_task(self._line(job, line, in_flight.get(line.number))) for line in todo]
+            answers, in_flight = await self.store.answered_lines(job.id), await self.store.in_flight(job.id)
+            todo = deque(sorted((line for line in lines if line.number not in answers),
+                                key=lambda line: line.number not in in_flight))  # the running first: leases lapse
+            # BATCH_IN_FLIGHT lanes, each taking the next line as its last one ends.
+            lanes = min(self.bus.settings.batch_in_flight, len(todo))
+            self.tasks = [asyncio.create_task(self._lane(job, todo, in_flight)) for _ in range(lanes)]
             watch = asyncio.create_task(self._watch(job))
             try:
                 await asyncio.gather(*self.tasks, return_exceptions=True)
@@ -136,8 +138,8 @@ class JobRun:
         if data is None:
             await self.store.fail(job.id, "file_not_found", f"the input file {job.input_file_id} was deleted")
             return None
-        try:
-            return read_lines(data, job.endpoint)
+        try:  # in a thread: a large file takes seconds to read, which the gateway's other streams must not wait
+            return await asyncio.to_thread(read_lines, data, job.endpoint)
         except ApiError as error:
             await self.store.fail(job.id, "invalid_file", error.message)
             return None
@@ -169,27 +171,31 @@ class JobRun:
 
     # One line.
 
+    async def _lane(self, job: Job, todo: deque[Line], in_flight: dict[int, str]) -> None:
+        while todo:
+            line = todo.popleft()
+            await self._line(job, line, in_flight.get(line.number))
+
     async def _line(self, job: Job, line: Line, request_id: str | None) -> None:
-        async with self.window:
-            runs = 0
-            while runs < MAX_RUNS:
-                try:
-                    answer = await self._follow(job, line, request_id) if request_id else None
-                    if answer is None:
-                        runs += 1
-                        request_id, answer = await self._submit(job, line)
-                except (*REDIS_ERRORS, OSError) as exc:
-                    log.warning("batch line interrupted", extra={"batch_id": job.id, "line": line.number,
-                                                                  "error": str(exc)})
-                    await asyncio.sleep(RETRY_SECONDS)
-                    continue
-                if answer is not None:
-                    await self._record(job, line, answer)
-                    return
-                request_id = None
-            await self._record(job, line, (answered(line, request_id or "", ErrorCode.CANCELLED.status, ApiError.of(
-                ErrorCode.CANCELLED, f"the line was cancelled {MAX_RUNS} times by others than its batch").body()),
-                False))
+        runs = 0
+        while runs < MAX_RUNS:
+            try:
+                answer = await self._follow(job, line, request_id) if request_id else None
+                if answer is None:
+                    runs += 1
+                    request_id, answer = await self._submit(job, line)
+            except (*REDIS_ERRORS, OSError) as exc:
+                log.warning("batch line interrupted", extra={"batch_id": job.id, "line": line.number,
+                                                              "error": str(exc)})
+                await asyncio.sleep(RETRY_SECONDS)
+                continue
+            if answer is not None:
+                await self._record(job, line, answer)
+                return
+            request_id = None
+        await self._record(job, line, (answered(line, request_id or "", ErrorCode.CANCELLED.status, ApiError.of(
+            ErrorCode.CANCELLED, f"the line was cancelled {MAX_RUNS} times by others than its batch").body()),
+            False))
 
     async def _record(self, job: Job, line: Line, answer: Answer) -> None:
         await self.store.record(job.id, line.number, *answer)
@@ -271,7 +277,7 @@ class JobRun:
     async def _finish(self, job: Job, lines: list[Line]) -> None:
         status = self.ending or "completed"
         if status == "expired":
-            answers = await self.store.answered(job.id)
+            answers = await self.store.answered_lines(job.id)
             for line in lines:
                 if line.number not in answers:
                     await self._record(job, line, (unanswered(

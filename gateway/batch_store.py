@@ -231,6 +231,9 @@ class BatchStore:
     async def release(self, batch_id: str, holder: str) -> None:
         await self.redis.eval(scripts.RELEASE_CLAIM, 1, self.keys.lease(batch_id), holder)
 
+    async def answered_lines(self, batch_id: str) -> set[int]:
+        return {int(k) for k in await self.redis.hkeys(self.keys.answers(batch_id))}
+
     async def answered(self, batch_id: str) -> dict[int, bytes]:
         return {int(k): v for k, v in (await self.redis.hgetall(self.keys.answers(batch_id))).items()}
 

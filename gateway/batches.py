@@ -5,6 +5,7 @@ and job belongs to the API key that made it: for another key it does not exist (
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
@@ -61,7 +62,7 @@ async def create_file(request: Request, file: Annotated[UploadFile, File()],
     if len(data) > limit:
         raise ApiError.of(ErrorCode.REQUEST_TOO_LARGE, f"the file is {len(data)} bytes; at most {limit} "
                           "(BATCH_FILE_BYTES)", "file")
-    read_lines(data)
+    await asyncio.to_thread(read_lines, data)  # a large file takes seconds: the other streams go on meanwhile
     stored = await store_of(request).add_file(owner_of(request), (file.filename or "input.jsonl")[:256], purpose,
                                               data)
     return stored.public()
@@ -120,7 +121,7 @@ async def create_batch(body: BatchRequest, request: Request) -> dict[str, object
         raise ApiError.of(ErrorCode.INVALID_VALUE, f"file '{stored.id}' has purpose '{stored.purpose}', not 'batch'",
                           "input_file_id")
     data = await store_of(request).file_data(stored.id) or b""
-    lines = read_lines(data, body.endpoint)
+    lines = await asyncio.to_thread(read_lines, data, body.endpoint)
     job = await store_of(request).add_job(owner_of(request), body.endpoint, stored.id, body.completion_window,
                                           window, len(lines), body.metadata)
     return job.public()
