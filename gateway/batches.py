@@ -37,14 +37,16 @@ def owner_of(request: Request) -> str:
 async def owned_file(request: Request, file_id: str) -> StoredFile:
     stored = await store_of(request).file(file_id, owner_of(request)) if len(file_id) <= MAX_ID else None
     if stored is None:
-        raise ApiError.of(ErrorCode.NOT_FOUND, f"no file '{file_id}' (unknown, deleted, or another key's)", "file_id")
+        raise ApiError.of(ErrorCode.NOT_FOUND, f"no file '{file_id[:MAX_ID]}' (unknown, deleted, or another key's)",
+                          "file_id")
     return stored
 
 
 async def owned_job(request: Request, batch_id: str) -> Job:
     job = await store_of(request).job(batch_id, owner_of(request)) if len(batch_id) <= MAX_ID else None
     if job is None:
-        raise ApiError.of(ErrorCode.NOT_FOUND, f"no batch '{batch_id}' (unknown, or another key's)", "batch_id")
+        raise ApiError.of(ErrorCode.NOT_FOUND, f"no batch '{batch_id[:MAX_ID]}' (unknown, or another key's)",
+                          "batch_id")
     return job
 
 
