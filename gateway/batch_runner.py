@@ -29,6 +29,7 @@ from gateway.batch_lines import Line, answered, read_lines, unanswered
 from gateway.batch_store import ENDED_TTL_SECONDS, BatchStore, Job
 from gateway.bus import Bus, Refused
 from gateway.errors import ApiError
+from gateway.results import BROKEN
 from gateway.streams import ResultStream
 
 log = logging.getLogger("gateway")
@@ -39,6 +40,8 @@ RETRY_SECONDS = 1.0  # after a full queue or a Redis error
 MAX_RUNS = 3  # a line cancelled by someone else this often is failed, not run again
 
 Answer = tuple[dict[str, Any], bool]  # a line's answer, and whether it goes to the output file (else errors)
+AGAIN, CANCELLED = "again", "cancelled"  # a line to run anew; one whose stream someone else cancelled
+Outcome = Answer | str
 
 
 class BatchRunner:
@@ -177,32 +180,37 @@ class JobRun:
             await self._line(job, line, in_flight.get(line.number))
 
     async def _line(self, job: Job, line: Line, request_id: str | None) -> None:
-        runs = 0
-        while runs < MAX_RUNS:
+        """Answer one line: follow the stream already answering it, else run it; run it again when its stream
+        was cancelled by someone else than this job (at most MAX_RUNS times) or broke with Redis."""
+        cancelled = 0
+        while True:
             try:
-                answer = await self._follow(job, line, request_id) if request_id else None
-                if answer is None:
-                    runs += 1
-                    request_id, answer = await self._submit(job, line)
+                outcome = await self._follow(job, line, request_id) if request_id else AGAIN
+                if outcome is AGAIN:
+                    request_id, outcome = await self._submit(job, line)
             except (*REDIS_ERRORS, OSError) as exc:
                 log.warning("batch line interrupted", extra={"batch_id": job.id, "line": line.number,
                                                               "error": str(exc)})
                 await asyncio.sleep(RETRY_SECONDS)
-                continue
-            if answer is not None:
-                await self._record(job, line, answer)
+                continue  # its stream, if it was admitted, is followed
+            if isinstance(outcome, tuple):
+                await self._record(job, line, outcome)
                 return
             request_id = None
-        await self._record(job, line, (answered(line, request_id or "", ErrorCode.CANCELLED.status, ApiError.of(
-            ErrorCode.CANCELLED, f"the line was cancelled {MAX_RUNS} times by others than its batch").body()),
-            False))
+            if outcome is CANCELLED:
+                cancelled += 1
+                if cancelled == MAX_RUNS:
+                    body = ApiError.of(ErrorCode.CANCELLED, f"the line was cancelled {MAX_RUNS} times, by others "
+                                       "than its batch").body()
+                    await self._record(job, line, (answered(line, "", ErrorCode.CANCELLED.status, body), False))
+                    return
 
     async def _record(self, job: Job, line: Line, answer: Answer) -> None:
         await self.store.record(job.id, line.number, *answer)
         metrics.BATCH_LINES.labels("completed" if answer[1] else "failed").inc()
 
-    async def _submit(self, job: Job, line: Line) -> tuple[str | None, Answer | None]:
-        """Run the line anew: its request_id, and its answer (None: to be run again)."""
+    async def _submit(self, job: Job, line: Line) -> tuple[str | None, Outcome]:
+        """Run the line anew: its request_id, and how it went. While the queue is full, wait for room."""
         request = self.runner.request_of(job.owner, line.url)
         try:
             submits = await openai_api.submits_of(request, line.body)
@@ -213,28 +221,29 @@ class JobRun:
         meta = openai_api.answer_meta(request, line.body, submits)
         head = meta.request_ids[0]
         await self.store.started(job.id, line.number, head)
-        stream = ResultStream(self.bus, meta.request_ids, meta, stop_on_error=True, tenant=submits[0].tenant,
-                              background=True)
-        try:
-            await stream.open()
-            await stream.admit(submits)
-        except Refused as refused:
-            await stream.let_go()
-            if refused.code is ErrorCode.QUEUE_FULL:
+        while True:
+            stream = ResultStream(self.bus, meta.request_ids, meta, stop_on_error=True, tenant=submits[0].tenant,
+                                  background=True)
+            try:
+                await stream.open()
+                await stream.admit(submits)
+                break
+            except Refused as refused:
+                await stream.let_go()
+                if refused.code is not ErrorCode.QUEUE_FULL:
+                    body = ApiError.of(refused.code, refused.message, refused.param).body()
+                    return head, (answered(line, head, refused.code.status, body), False)
                 await asyncio.sleep(RETRY_SECONDS)
-                return head, None
-            return head, (answered(line, head, refused.code.status,
-                                   ApiError.of(refused.code, refused.message, refused.param).body()), False)
-        except BaseException:
-            await stream.let_go()
-            raise
+            except BaseException:
+                await stream.let_go()
+                raise
         return head, await self._collect(job, line, stream, meta)
 
-    async def _follow(self, job: Job, line: Line, request_id: str) -> Answer | None:
-        """Read a line's stream that another gateway admitted, from its start; None if it cannot be followed."""
+    async def _follow(self, job: Job, line: Line, request_id: str) -> Outcome:
+        """Read a line's stream that was admitted before (by this gateway or another), from its start."""
         meta = await self.bus.stream_meta(request_id)
         if meta is None:
-            return None
+            return AGAIN
         stream = ResultStream(self.bus, meta.request_ids, meta, stop_on_error=True, tenant=meta.tenant,
                               background=True)
         try:
@@ -243,13 +252,13 @@ class JobRun:
             await stream.hold()
         except ApiError:
             await stream.let_go()
-            return None
+            return AGAIN
         except BaseException:
             await stream.let_go()
             raise
         return await self._collect(job, line, stream, meta)
 
-    async def _collect(self, job: Job, line: Line, stream: ResultStream, meta: StreamMeta) -> Answer | None:
+    async def _collect(self, job: Job, line: Line, stream: ResultStream, meta: StreamMeta) -> Outcome:
         collected: list[list[Result]] = [[] for _ in meta.request_ids]
         leaving = False
         try:
@@ -265,8 +274,10 @@ class JobRun:
         error = next(iter(stream.errors.values()), None)
         if error is None:
             return answered(line, head, 200, openai_api.whole_answer(meta, collected)), True
+        if any(error is broken for broken in BROKEN):
+            return AGAIN  # this gateway lost Redis, which cancelled the stream: not the line's fault
         if error.code == ErrorCode.CANCELLED:
-            return None  # not by this job: its stream's lease lapsed, or its owner cancelled the request itself
+            return CANCELLED  # not by this job: its stream's lease lapsed, or its owner cancelled the request
         if error.code == ErrorCode.QUEUE_TIMEOUT and time.time() >= job.expires_at:
             return unanswered(line, "batch_expired", "the batch's completion window passed before this line ran"), False
         body = ApiError(status_of(error.code), error.message, error.code).body()

@@ -302,3 +302,6 @@ def test_a_job_leaves_half_the_queue_to_interactive_requests() -> None:
         assert [a.status_code for a in answers] == [200, 200, 200]
         client.batches.cancel(job.id)
         assert ended(client, job.id, timeout=60).status == "cancelled"
+        # Lines refused for a full queue wait for room: none fails for it.
+        job = ended(client, run_job(client, [line(f"s{i}", f"short {i}", max_tokens=10) for i in range(12)]).id)
+        assert job.status == "completed" and (job.request_counts.completed, job.request_counts.failed) == (12, 0)
