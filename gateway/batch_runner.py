@@ -21,7 +21,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
-from common.errors import ErrorCode, status_of
+from common.errors import ErrorCode
 from common.protocol import Result, StreamMeta
 from common.runtime import REDIS_ERRORS
 from gateway import metrics, openai_api
@@ -280,8 +280,8 @@ class JobRun:
             return CANCELLED  # not by this job: its stream's lease lapsed, or its owner cancelled the request
         if error.code == ErrorCode.QUEUE_TIMEOUT and time.time() >= job.expires_at:
             return unanswered(line, "batch_expired", "the batch's completion window passed before this line ran"), False
-        body = ApiError(status_of(error.code), error.message, error.code).body()
-        return answered(line, head, status_of(error.code), body), False
+        refused = ApiError.of_result(error)
+        return answered(line, head, refused.status, refused.body()), False
 
     # The end.
 

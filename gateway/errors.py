@@ -13,7 +13,8 @@ from fastapi.responses import JSONResponse, Response
 from redis.exceptions import OutOfMemoryError, RedisClusterException, RedisError
 from starlette.exceptions import HTTPException
 
-from common.errors import ErrorCode
+from common.errors import ErrorCode, status_of
+from common.protocol import Error
 from common.runtime import redis_trouble
 
 log = logging.getLogger("gateway")
@@ -48,6 +49,11 @@ class ApiError(Exception):
     def of(cls, code: ErrorCode, message: str, param: str | None = None) -> ApiError:
         """The error of one of the system's codes: its status, and Retry-After where a retry may help."""
         return cls(code.status, message, code, param, retry_headers(code))
+
+    @classmethod
+    def of_result(cls, error: Error) -> ApiError:
+        """The error a request ended with on the bus (any service's code; 500 for one this version does not know)."""
+        return cls(status_of(error.code), error.message, error.code, headers=retry_headers(error.code))
 
     def body(self) -> dict[str, dict[str, str | None]]:
         kind = "invalid_request_error" if self.status < 500 else "server_error"

@@ -13,8 +13,9 @@ from starlette.types import Receive, Scope, Send
 
 from common import toolcalls
 from common.protocol import Done, Error, StreamMeta, Token
+from gateway.errors import ApiError
 from gateway.sse import COMPLETE, MEDIA_TYPE, SSE_HEADERS, sse
-from gateway.streams import ResultStream, api_error
+from gateway.streams import ResultStream
 
 log = logging.getLogger("gateway")
 
@@ -200,7 +201,7 @@ async def chunk_events(stream: ResultStream, shape: Shape, meta: StreamMeta,
     calls = _tool_deltas(stream) if shape.tool_calls else None
     async for choice, result in stream:
         if isinstance(result, Error):
-            yield stream.preamble() + sse(api_error(result).body(), event_id=stream.current_id)
+            yield stream.preamble() + sse(ApiError.of_result(result).body(), event_id=stream.current_id)
             break
         first = stream.is_first(choice, result)
         reader = calls[choice] if calls else None

@@ -23,12 +23,12 @@ from typing import TypeVar
 import anyio
 from fastapi import Request
 
-from common.errors import ErrorCode, status_of
+from common.errors import ErrorCode
 from common.protocol import Done, Error, ProtocolError, Result, StreamMeta, Submit, Token, decode
 from common.runtime import REDIS_ERRORS
 from gateway import metrics
 from gateway.bus import Bus, Refused
-from gateway.errors import ApiError, ClientGone, retry_headers
+from gateway.errors import ApiError, ClientGone
 from gateway.mailbox import Mailbox
 from gateway.results import BROKEN
 from gateway.sse import format_id
@@ -39,9 +39,6 @@ T = TypeVar("T")
 # The delay an EventSource waits before it reconnects, at most (and half of RESUME_GRACE at most).
 RETRY_MS = 1000
 
-
-def api_error(error: Error) -> ApiError:
-    return ApiError(status_of(error.code), error.message, error.code, headers=retry_headers(error.code))
 
 
 async def unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
@@ -377,7 +374,7 @@ async def start(bus: Bus, request: Request, submits: list[Submit], meta: StreamM
         raise
     if isinstance(first, Error):
         await stream.cancel(Error(ErrorCode.CANCELLED, "the request was cancelled: another choice failed"))
-        raise api_error(first)
+        raise ApiError.of_result(first)
     return stream
 
 
@@ -397,6 +394,6 @@ async def _gather(results: AsyncIterator[tuple[int, Result]], choices: int) -> l
     collected: list[list[Result]] = [[] for _ in range(choices)]
     async for choice, result in results:
         if isinstance(result, Error):
-            raise api_error(result)
+            raise ApiError.of_result(result)
         collected[choice].append(result)
     return collected

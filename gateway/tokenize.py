@@ -14,7 +14,6 @@ from common.errors import ErrorCode
 from common.protocol import Detokenize, Error, ProtocolError, Reply, Tokenize, Tokens
 from gateway.errors import ApiError
 from gateway.schemas import MAX_TOKENS, ChatRequestMessage, Text, ToolDefinition, new_request_id
-from gateway.streams import api_error
 from gateway.submits import bus_of, serving
 
 router = APIRouter()
@@ -70,7 +69,7 @@ async def _ask(request: Request, model: str | None, job: Tokenize | Detokenize) 
             raise ApiError.of(ErrorCode.QUEUE_TIMEOUT, f"the worker did not answer within {ANSWER_SECONDS:g} s") \
                 from None
     if isinstance(reply, Error):
-        raise api_error(reply)
+        raise ApiError.of_result(reply)
     return reply
 
 
