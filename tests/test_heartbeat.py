@@ -67,7 +67,7 @@ def cache_report() -> None:
         subject = worker(url)
         subject.engine.routing = BrokenReport()
         before = errors("internal")
-        subject._heartbeat()
+        subject.heartbeats.send()
         beat = decode(sync_client(url).get(Keys("beats").heartbeat(subject.id)), Heartbeat, 1 << 20)
         assert beat.worker_id == subject.id and beat.prefixes == []
         assert errors("internal") == before + 1
@@ -76,7 +76,7 @@ def cache_report() -> None:
 def any_fault() -> None:
     with redis_server() as url:
         subject = worker(url)
-        real, calls = subject._heartbeat, []
+        real, calls = subject.heartbeats.send, []
 
         def flaky() -> None:
             calls.append(1)
@@ -84,16 +84,16 @@ def any_fault() -> None:
                 raise KeyError("a fault of the worker's own")
             real()
 
-        subject._heartbeat = flaky
+        subject.heartbeats.send = flaky
         before = errors("internal")
-        beats = threading.Thread(target=subject._beat, daemon=True)
+        beats = threading.Thread(target=subject.heartbeats.run, daemon=True)
         beats.start()
         key = Keys("beats").heartbeat(subject.id)
         try:
             wait_until(lambda: sync_client(url).exists(key), 10, "a heartbeat after two failures", 0.02)
         finally:
-            subject.beating = False
-            subject.beat_now.set()
+            subject.heartbeats.beating = False
+            subject.heartbeats.soon()
             beats.join(5)
         assert errors("internal") == before + 2 and len(calls) >= 3
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-import threading
 import time
 
 import redis
@@ -42,6 +41,7 @@ from common.telemetry import serve_metrics, setup_logging
 from common.tracing import Tracing
 from worker import compat_metrics, engines, metrics
 from worker.core import Engine, GrammarError, Model, PromptTooLong, StepOutput, StepResult
+from worker.heartbeat import Heartbeats
 from worker.timing import Timing
 
 log = logging.getLogger("worker")
@@ -59,8 +59,6 @@ class Worker:
         self.engine = engine
         self.inbox_cursor = "0-0"
         self.finished_total = 0
-        self.beat_now = threading.Event()  # set to send a heartbeat at once (draining, Redis back)
-        self.beating = True
         self.drain_until: float | None = None  # set by SIGTERM
         self.handing_off: bool | None = None  # decided once, when the loop sees the drain
         self.stopping = False  # set by a second signal: leave now
@@ -69,6 +67,7 @@ class Worker:
         self.metrics_port = 0
         self.tracing = Tracing("worker")
         self.names = settings.served_names()  # the model names it answers to
+        self.heartbeats = Heartbeats(self.redis, self.keys, settings, self.id, self._heartbeat)
 
     def drain(self) -> None:
         """Take no new work and stop: at once, handing what runs to other workers when they have room
@@ -78,7 +77,7 @@ class Worker:
             self.stopping = True
             return
         self.drain_until = now() + self.settings.drain_timeout
-        self.beat_now.set()  # tell the scheduler at once
+        self.heartbeats.soon()  # tell the scheduler at once
         log.info("draining", extra={"worker_id": self.id, "running": self.engine.running_count})
 
     def _others_have_room(self) -> bool:
@@ -92,8 +91,7 @@ class Worker:
     def run(self) -> None:
         log.info("worker ready", extra={"worker_id": self.id, "model": self.loaded.name, "names": self.names,
                                         "weights": self.loaded.weights, "slots": self.engine.slots})
-        heartbeats = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
-        heartbeats.start()
+        self.heartbeats.start()
         backoff = Backoff()
         while not self._done():
             try:
@@ -103,9 +101,7 @@ class Worker:
                 if not redis_trouble(exc):
                     raise
                 self._lose_redis(exc, backoff.next())
-        self.beating = False
-        self.beat_now.set()
-        heartbeats.join()
+        self.heartbeats.stop()
         with contextlib.suppress(*REDIS_ERRORS):
             self.redis.srem(self.keys.workers, self.id)
             self.redis.delete(self.keys.heartbeat(self.id))
@@ -154,37 +150,15 @@ class Worker:
         self.orphans += dropped
         log.warning("redis unreachable; retrying", extra={"worker_id": self.id, "error": str(exc),
                                                           "dropped": len(dropped), "retry_in_s": backoff})
-        self.beat_now.set()
+        self.heartbeats.soon()
         time.sleep(backoff)
 
-    def _beat(self) -> None:
-        """Heartbeats on their own thread: one long step (a long prompt's prefill on a busy CPU) must not
-        make a working worker look lost and have its requests migrated."""
-        while self.beating:
-            try:
-                self._heartbeat()
-            except REDIS_ERRORS as exc:
-                metrics.HEARTBEAT_ERRORS.labels("redis").inc()
-                log.debug("heartbeat not sent", extra={"worker_id": self.id, "error": str(exc)})
-            except Exception:
-                # A fault of its own (an engine's report that fails) must not end the heartbeats of a worker
-                # that still serves: the scheduler would take it for lost and move every stream it holds.
-                metrics.HEARTBEAT_ERRORS.labels("internal").inc()
-                log.exception("heartbeat not sent", extra={"worker_id": self.id})
-            self.beat_now.wait(self.settings.heartbeat_interval)
-            self.beat_now.clear()
-
-    def _heartbeat(self) -> None:
-        beat = Heartbeat(self.id, self.loaded.name, self.loaded.max_length, self.engine.slots,
+    def _heartbeat(self) -> Heartbeat:
+        return Heartbeat(self.id, self.loaded.name, self.loaded.max_length, self.engine.slots,
                          self.engine.running_count, self.engine.waiting_count, self.finished_total, now(),
                          draining=self.drain_until is not None, metrics_port=self.metrics_port,
                          vocab=self.loaded.vocab, prefixes=self._held_prefixes(), engine=self.engine.name,
                          names=self.names, weights=self.loaded.weights)
-        ttl_ms = int(self.settings.worker_ttl * 1000)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.set(self.keys.heartbeat(self.id), encode(beat, self.settings.max_message_bytes), px=ttl_ms)
-        pipe.sadd(self.keys.workers, self.id)
-        pipe.execute()
 
     def _held_prefixes(self) -> list[int]:
         """The cache report; when it fails, the heartbeat goes without it (routing only loses a hint)."""
@@ -296,7 +270,10 @@ class Worker:
         pipe.execute()
 
     def _cancel(self, cancel: Cancel) -> None:
-        if self.engine.cancel(cancel.request_id):
+        # A request the engine no longer runs may still be assigned here in the scheduler's view (an ending whose
+        # writes a Redis failover dropped): released all the same, or its slot stays taken.
+        if self.engine.cancel(cancel.request_id) or self.redis.hexists(self.keys.assigned(self.id),
+                                                                       cancel.request_id):
             log.info("cancelled", extra={"request_id": cancel.request_id})
             pipe = self.redis.pipeline(transaction=False)
             self._release(pipe, cancel.request_id, "cancelled")
@@ -319,6 +296,10 @@ class Worker:
 
     def _publish(self, result: StepResult, step_s: float) -> None:
         """One round trip to Redis per engine step, whatever the batch size."""
+        # A worker that stood still past WORKER_TTL (frozen, its VM paused) may have been taken for lost and its
+        # requests moved: it checks which are still its own before it publishes.
+        if self.heartbeats.stood_still():
+            result = self._without_moved(result)
         for failed in [out for out in result.outputs if out.error]:
             self._fail(failed.request_id, failed.error_code, failed.error)
         outputs: list[StepOutput] = [out for out in result.outputs if not out.error]
@@ -351,6 +332,21 @@ class Worker:
                 log.info("finished", extra={"request_id": rid, "finish_reason": out.finish_reason,
                                             "completion_tokens": out.index + 1})
         pipe.execute()
+
+    def _without_moved(self, result: StepResult) -> StepResult:
+        """Drop the requests the scheduler moved to other workers while this one stood still (their assignments
+        here are gone): the others run them now, so this worker publishes nothing more of them, not even an end."""
+        mine = list(self.timings)
+        held = self.redis.hmget(self.keys.assigned(self.id), mine) if mine else []
+        moved = {rid for rid, assignment in zip(mine, held, strict=True) if assignment is None}
+        for rid in moved:
+            self.engine.cancel(rid)
+            self.tracing.end(self.timings.pop(rid).span, **{"llmserve.outcome": "moved_away"})
+        if moved:
+            metrics.MOVED_AWAY.inc(len(moved))
+            log.warning("requests moved to other workers while this one stood still: dropped here",
+                        extra={"worker_id": self.id, "requests": len(moved)})
+        return StepResult(result.kind, [out for out in result.outputs if out.request_id not in moved])
 
     def _send(self, pipe: redis.client.Pipeline, request_id: str, result: Token | Done | Error) -> None:
         """Publish an end (a Done or an Error), and log it for a stream that may be resumed."""

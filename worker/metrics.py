@@ -12,6 +12,9 @@ STEP_SECONDS = Histogram("llmserve_worker_step_seconds", "Duration of one engine
                          buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
 TOKENS = Counter("llmserve_worker_generated_tokens_total", "Tokens generated (rate() gives tokens/s)")
 KV_CACHE_TOKENS = Gauge("llmserve_worker_kv_cache_positions", "Positions held in the KV cache (rows x width)")
+MOVED_AWAY = Counter("llmserve_worker_moved_away_total",
+                     "Requests dropped here because the scheduler moved them to other workers while this one stood "
+                     "still past WORKER_TTL (frozen, paused)")
 HEARTBEAT_ERRORS = Counter("llmserve_worker_heartbeat_errors_total",
                            "Heartbeats not sent: Redis unreachable (redis) or a fault of the worker's own (internal)",
                            ["kind"])

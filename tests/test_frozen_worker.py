@@ -1,0 +1,42 @@
+"""A worker frozen past WORKER_TTL (SIGSTOP: a paused VM, a swap storm) is taken for lost and its streams move to
+another worker. When it wakes it must not go on with them: each request is finished once, by the worker it moved
+to, and every stream is whole. Found by the nemesis soak (bench/nemesis.py), where a woken worker finished its
+old requests a second time."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from common.clients import sync_client
+from common.keys import Keys
+from tests.conftest import pid_of, sim_stack, wait_for, workers_of
+from tests.sse import read_in_background
+
+TOKENS = 300
+
+
+def test_a_worker_that_wakes_after_its_streams_moved_publishes_none_of_them() -> None:
+    with sim_stack(1, NAMESPACE="frozen", SIM_STEP_MS="20", SIM_STEP_PER_SEQ_MS="0", HEARTBEAT_INTERVAL="0.3",
+                   WORKER_TTL="2", LOG_LEVEL="INFO") as stack:
+        redis, keys = sync_client(stack.redis_url), Keys("frozen")
+        bodies = [{"prompt": f"frozen {i}", "max_tokens": TOKENS, "ignore_eos": True} for i in range(4)]
+        reading = read_in_background(stack.url, bodies)
+        wait_for(lambda: all(len(s.events) > 20 for s in reading.streams), 60, "every stream under way")
+        [frozen] = [member.decode() for member in redis.smembers(keys.workers)]
+        os.kill(pid_of(frozen), signal.SIGSTOP)
+        stack.stack.spawn("worker")
+        try:
+            wait_for(lambda: frozen.encode() not in redis.smembers(keys.workers), 30, "the frozen worker taken as lost")
+            wait_for(lambda: all(len(workers_of(stack.url, s.request_id)) == 2 for s in reading.streams), 30,
+                     "every stream dispatched to the other worker")
+        finally:
+            os.kill(pid_of(frozen), signal.SIGCONT)
+        reading.join(120)
+        time.sleep(1.0)  # what the woken worker would publish of its old requests, it does within a step or two
+        for stream in reading.streams:
+            assert stream.ended == "done" and stream.indexes == list(range(TOKENS))
+            finished_on = workers_of(stack.url, stream.request_id, "finished")
+            assert len(finished_on) == 1 and finished_on[0] != frozen, finished_on
+        assert frozen.encode() in redis.smembers(keys.workers)  # it serves again, with nothing of the old
