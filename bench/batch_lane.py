@@ -69,8 +69,8 @@ async def interactive(client: httpx.AsyncClient, streams: int, tokens: int, unti
     async def loop(n: int) -> None:
         i = 0
         while not until.is_set():
-            produced[0] += await one_stream(client, f"Client {n} asks question number {i} about the sea.", tokens,
-                                            ttft, itl)
+            got = await one_stream(client, f"Client {n} asks question number {i} about the sea.", tokens, ttft, itl)
+            produced[0] += got  # read after the await: `produced[0] += await ...` would lose the others' adds
             i += 1
 
     await asyncio.gather(*(loop(n) for n in range(streams)))

@@ -434,6 +434,36 @@ def resume(d: dict) -> tuple[str, Table]:
     return head, table
 
 
+def nemesis(d: dict) -> tuple[str, Table]:
+    v, c, t = d["verdicts"], d["counts"], d["fault_to_next_token_s"]["all_faults"]
+    head = (f"{d['minutes']:g} min of {sum(d['faults_struck'].values())} faults of {len(d['faults_struck'])} kinds, "
+            f"{d['clients']} clients, ENGINE={d['engine']}: {c['jobs_completed']} of {c['jobs']} streams whole; "
+            f"{v['duplicated']} duplicated, {v['lost']} lost, {v['run_twice']} run twice "
+            f"({v['run_twice_by_a_woken_worker']} by a woken frozen worker)")
+    table = [["verdict", "count"]] + [[name.replace("_", " "), str(value)] for name, value in v.items()
+                                      if name != "ok"]
+    table.append(["fault to next token p50 / p90 / max", slash([ms(t["median"]), ms(t["p90"]), ms(t["max"])])])
+    return head, table
+
+
+def batch_lane(d: dict) -> tuple[str, Table]:
+    alone, beside = d["interactive_alone"], d["interactive_beside_batch"]
+    head = (f"a {d['lines']}-line batch job beside {d['streams']} interactive streams: TTFT p50 "
+            f"{ratio(d['ttft_ratio'])} of the streams alone, the job {ratio(d['batch_time_ratio'])} the time the "
+            "free slots allow")
+    table = [["phase", "interactive TTFT p50", "interactive time per token p50", "job time"],
+             ["interactive alone", ms(alone["ttft_p50_s"]), ms(alone["itl_p50_s"]), "-"],
+             ["the job alone", "-", "-", num(d["batch_alone"]["seconds"], " s")],
+             ["both", ms(beside["ttft_p50_s"]), ms(beside["itl_p50_s"]),
+              f"{num(d['batch_beside_interactive']['seconds'], ' s')} (allowed {num(d['batch_allowed_s'], ' s')})"]]
+    if "faults" in d:
+        f = d["faults"]
+        table.append([f"kill -9 of {', '.join(s['killed'] for s in f['struck'])} mid-job", "-", "-",
+                      f"{num(f['seconds'], ' s')}: {f['request_counts']['completed']} of {f['request_counts']['total']}"
+                      f" answered, once each: {f['answered_once']}"])
+    return head, table
+
+
 def cluster(d: dict) -> tuple[str, Table]:
     m = d["stack"]["median"]
     table = [["figure", "one redis-server", "cluster of three masters"],
@@ -608,6 +638,11 @@ RENDERERS: dict[str, tuple[str, Callable[[dict], tuple[str, Table]]]] = {
                 cluster),
     "burst": ("a burst of 4x the queue limit", burst),
     "chaos": ("each fault with streams in flight", chaos),
+    "nemesis": ("faults together under a steady load: workers, gateways and the scheduler killed (-9 and SIGTERM), a "
+                "worker frozen past its TTL, Sentinel failovers and a killed primary, clients that vanish; then a "
+                "checker over every request's history (bench/nemesis.py)", nemesis),
+    "batch_lane": ("a batch job in the background lane beside interactive streams, on one worker of the default "
+                   "model (bench/batch_lane.py)", batch_lane),
     "drain_hf": ("SIGTERM to a worker: handing off against finishing in place", drain),
     "drain_sim": ("the same on `ENGINE=sim`", drain),
     "resume_sim": ("resuming after a dropped connection or a killed gateway, `ENGINE=sim`", resume),
