@@ -439,10 +439,12 @@ def nemesis(d: dict) -> tuple[str, Table]:
     head = (f"{d['minutes']:g} min of {sum(d['faults_struck'].values())} faults of {len(d['faults_struck'])} kinds, "
             f"{d['clients']} clients, ENGINE={d['engine']}: {c['jobs_completed']} of {c['jobs']} streams whole; "
             f"{v['duplicated']} duplicated, {v['lost']} lost, {v['run_twice']} run twice "
-            f"({v['run_twice_by_a_woken_worker']} by a woken frozen worker)")
-    table = [["verdict", "count"]] + [[name.replace("_", " "), str(value)] for name, value in v.items()
-                                      if name != "ok"]
-    table.append(["fault to next token p50 / p90 / max", slash([ms(t["median"]), ms(t["p90"]), ms(t["max"])])])
+            f"({c.get('run_twice_by_a_woken_worker', 0)} by a woken frozen worker)")
+    unexplained = d.get("verdicts_unexplained", {})
+    table = [["verdict", "count", "not explained by the open failover fault"]] + [
+        [name.replace("_", " "), str(value), str(unexplained.get(name, "-"))] for name, value in v.items()
+        if name != "ok"]
+    table.append(["fault to next token p50 / p90 / max", slash([ms(t["median"]), ms(t["p90"]), ms(t["max"])]), ""])
     return head, table
 
 
