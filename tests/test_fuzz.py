@@ -61,8 +61,8 @@ def test_no_input_gets_a_server_error_or_hangs(stack: RunningStack) -> None:
     operations = [result.ok() for result in schema.get_all_operations()]
     for operation in operations:
         fuzz(operation, GenerationMode.POSITIVE, tried)
-        # A route without a body has no invalid input to make.
-        if operation.method.upper() == "POST":
+        # A route without a body (a GET, the cancel of a batch job) has no invalid input to make.
+        if operation.method.upper() == "POST" and len(operation.body):
             fuzz(operation, GenerationMode.NEGATIVE, tried)
     print(f"fuzzed: {tried}")
     assert set(tried) == {operation.label for operation in operations}
