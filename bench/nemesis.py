@@ -36,7 +36,6 @@ import os
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -60,8 +59,8 @@ from common.clients import sync_client  # noqa: E402
 from common.keys import Keys  # noqa: E402
 from common.protocol import TraceEvent, decode  # noqa: E402
 from llmserve.launcher import PrivateStack, Stack, Supervisor, _serving, gateway_ports  # noqa: E402
-from llmserve.processes import free_ports, popen, redis_server_binary, wait_until  # noqa: E402
-from llmserve.topology import SentinelGroup, _server_args, free_node_port  # noqa: E402
+from llmserve.processes import free_ports, wait_until  # noqa: E402
+from llmserve.topology import SentinelGroup, free_node_ports, started  # noqa: E402
 from tests.sse import parse  # noqa: E402
 
 NS = "nemesis"
@@ -141,14 +140,8 @@ class Quorum(SentinelGroup):
 
     def start(self) -> None:
         super().start()  # the primary, the replica and the first sentinel
-        for port in self.sentinel_ports[1:]:
-            config = Path(self.workdir.name) / f"sentinel-{port}.conf"
-            config.write_text(f"port {port}\nbind 127.0.0.1\ndir {self.workdir.name}\n"
-                              f"sentinel monitor {self.service} 127.0.0.1 {self.primary_port()} 2\n"
-                              f"sentinel down-after-milliseconds {self.service} 1000\n"
-                              f"sentinel failover-timeout {self.service} 5000\n")
-            self.processes.append(popen([redis_server_binary(), str(config), "--sentinel"],
-                                        stdout=subprocess.DEVNULL))
+        primary = self.primary_port()
+        self.processes += [self.sentinel_server(port, primary, quorum=2) for port in self.sentinel_ports[1:]]
         redis.Redis(port=self.sentinel_port).execute_command("SENTINEL", "SET", self.service, "quorum", "2")
         wait_until(lambda: all(self._peers(port) == SENTINELS - 1 for port in self.sentinel_ports), 60,
                    "the sentinels to know one another")
@@ -184,9 +177,7 @@ class Quorum(SentinelGroup):
         with contextlib.suppress(redis.RedisError, OSError):
             primary = self.primary_port()
             if primary != port:
-                self.processes[place] = popen([*_server_args(port), "--dir", self.workdir.name, "--dbfilename",
-                                               f"dump-{port}.rdb", "--replicaof", "127.0.0.1", str(primary)],
-                                              stdout=subprocess.DEVNULL)
+                self.processes[place] = self.data_server(port, replica_of=primary)
                 return True
         return False
 
@@ -195,18 +186,9 @@ class Quorum(SentinelGroup):
 
 
 def start_quorum(service: str = "llmserve") -> Quorum:
-    taken: set[int] = set()
-    for _ in range(2 + SENTINELS):
-        taken.add(free_node_port(taken))
-    first, second, *sentinels = sorted(taken)
-    group = Quorum(service, [first, second], sentinels[0], tempfile.TemporaryDirectory(prefix="llmserve-nemesis-"),
-                   sentinel_ports=sentinels)
-    try:
-        group.start()
-    except BaseException:
-        group.stop()
-        raise
-    return group
+    first, second, *sentinels = sorted(free_node_ports(2 + SENTINELS))
+    return started(Quorum(service, [first, second], sentinels[0],
+                          tempfile.TemporaryDirectory(prefix="llmserve-nemesis-"), sentinel_ports=sentinels))
 
 
 

@@ -12,10 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import socket
 import time
-import uuid
 from collections import deque
 from typing import Any
 
@@ -23,7 +20,7 @@ from fastapi import FastAPI, Request
 
 from common.errors import ErrorCode
 from common.protocol import Result, StreamMeta
-from common.runtime import REDIS_ERRORS
+from common.runtime import REDIS_ERRORS, service_id
 from gateway import metrics, openai_api
 from gateway.batch_lines import Line, answered, read_lines, unanswered
 from gateway.batch_store import ENDED_TTL_SECONDS, BatchStore, Job
@@ -48,8 +45,7 @@ class BatchRunner:
     def __init__(self, app: FastAPI, bus: Bus) -> None:
         self.app, self.bus = app, bus
         self.store = BatchStore(bus.redis, bus.settings.namespace, bus.settings.batch_file_bytes)
-        # Names the process that runs a job, for an operator reading the lease (and a test killing it).
-        self.holder = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.holder = service_id()  # host-pid-random: the lease names the process that runs the job
         self.runs: dict[str, asyncio.Task[None]] = {}
         self._task: asyncio.Task[None] | None = None
 

@@ -6,7 +6,7 @@ and job belongs to the API key that made it: for another key it does not exist (
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import Response
@@ -20,6 +20,7 @@ from gateway.errors import ApiError
 from gateway.submits import tenant_of
 
 router = APIRouter(prefix="/v1")
+T = TypeVar("T")
 
 MAX_METADATA = 16  # OpenAI's bound: 16 pairs, keys of 64 characters, values of 512
 MAX_ID = 128
@@ -34,20 +35,22 @@ def owner_of(request: Request) -> str:
     return tenant_of(request) or ""
 
 
+def found(record: T | None, what: str, ident: str, param: str) -> T:
+    """The record, or the 404 that names it: unknown, deleted and another key's read alike."""
+    if record is None:
+        raise ApiError.of(ErrorCode.NOT_FOUND, f"no {what} '{ident[:MAX_ID]}' (unknown, deleted, or another key's)",
+                          param)
+    return record
+
+
 async def owned_file(request: Request, file_id: str) -> StoredFile:
     stored = await store_of(request).file(file_id, owner_of(request)) if len(file_id) <= MAX_ID else None
-    if stored is None:
-        raise ApiError.of(ErrorCode.NOT_FOUND, f"no file '{file_id[:MAX_ID]}' (unknown, deleted, or another key's)",
-                          "file_id")
-    return stored
+    return found(stored, "file", file_id, "file_id")
 
 
 async def owned_job(request: Request, batch_id: str) -> Job:
     job = await store_of(request).job(batch_id, owner_of(request)) if len(batch_id) <= MAX_ID else None
-    if job is None:
-        raise ApiError.of(ErrorCode.NOT_FOUND, f"no batch '{batch_id[:MAX_ID]}' (unknown, or another key's)",
-                          "batch_id")
-    return job
+    return found(job, "batch", batch_id, "batch_id")
 
 
 # Files.

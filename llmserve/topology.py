@@ -10,6 +10,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 import redis
 
@@ -18,6 +19,15 @@ from llmserve.processes import free_port, popen, port_free, redis_server_binary,
 # A cluster node also listens on its port + 10000 (the cluster bus).
 BUS_OFFSET = 10000
 NODE_TIMEOUT_MS = 2000
+
+
+class Servers(Protocol):
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+G = TypeVar("G", bound=Servers)
 
 
 def free_node_port(taken: set[int]) -> int:
@@ -110,17 +120,26 @@ class Cluster:
         self.workdir.cleanup()
 
 
-def start_cluster(masters: int = 3, replicas: int = 0) -> Cluster:
+def free_node_ports(count: int) -> list[int]:
     ports: list[int] = []
-    for _ in range(masters * (1 + replicas)):
+    for _ in range(count):
         ports.append(free_node_port(set(ports)))
-    cluster = Cluster(ports, tempfile.TemporaryDirectory(prefix="llmserve-cluster-"), replicas)
+    return ports
+
+
+def started(group: G) -> G:
+    """A group of servers started; one that fails to start is stopped, its processes and files gone."""
     try:
-        cluster.start()
+        group.start()
     except BaseException:
-        cluster.stop()
+        group.stop()
         raise
-    return cluster
+    return group
+
+
+def start_cluster(masters: int = 3, replicas: int = 0) -> Cluster:
+    ports = free_node_ports(masters * (1 + replicas))
+    return started(Cluster(ports, tempfile.TemporaryDirectory(prefix="llmserve-cluster-"), replicas))
 
 
 @dataclass
@@ -147,22 +166,26 @@ class SentinelGroup:
 
     def start(self) -> None:
         first, second = self.ports
-        # A replica keeps the copy it receives in its directory.
-        def files(port: int) -> list[str]:
-            return ["--dir", self.workdir.name, "--dbfilename", f"dump-{port}.rdb"]
-
-        self.processes.append(popen([*_server_args(first), *files(first)], stdout=subprocess.DEVNULL))
-        self.processes.append(popen([*_server_args(second), *files(second), "--replicaof", "127.0.0.1", str(first)],
-                                    stdout=subprocess.DEVNULL))
+        self.processes.append(self.data_server(first))
+        self.processes.append(self.data_server(second, replica_of=first))
         for port in self.ports:
             wait_until(lambda port=port: _pings(port), 10, f"redis-server on port {port}")
-        config = Path(self.workdir.name) / "sentinel.conf"
-        config.write_text(f"port {self.sentinel_port}\nbind 127.0.0.1\ndir {self.workdir.name}\n"
-                          f"sentinel monitor {self.service} 127.0.0.1 {first} 1\n"
+        self.processes.append(self.sentinel_server(self.sentinel_port, first, quorum=1))
+        wait_until(self._ready, 30, "the replica in sync and known to Sentinel")
+
+    def data_server(self, port: int, replica_of: int | None = None) -> subprocess.Popen[bytes]:
+        """A data server; a replica keeps the copy it receives in the group's directory."""
+        replica = ["--replicaof", "127.0.0.1", str(replica_of)] if replica_of is not None else []
+        return popen([*_server_args(port), "--dir", self.workdir.name, "--dbfilename", f"dump-{port}.rdb", *replica],
+                     stdout=subprocess.DEVNULL)
+
+    def sentinel_server(self, port: int, primary: int, quorum: int) -> subprocess.Popen[bytes]:
+        config = Path(self.workdir.name) / f"sentinel-{port}.conf"
+        config.write_text(f"port {port}\nbind 127.0.0.1\ndir {self.workdir.name}\n"
+                          f"sentinel monitor {self.service} 127.0.0.1 {primary} {quorum}\n"
                           f"sentinel down-after-milliseconds {self.service} 1000\n"
                           f"sentinel failover-timeout {self.service} 5000\n")
-        self.processes.append(popen([redis_server_binary(), str(config), "--sentinel"], stdout=subprocess.DEVNULL))
-        wait_until(self._ready, 30, "the replica in sync and known to Sentinel")
+        return popen([redis_server_binary(), str(config), "--sentinel"], stdout=subprocess.DEVNULL)
 
     def _ready(self) -> bool:
         try:
@@ -203,15 +226,6 @@ class SentinelGroup:
 
 
 def start_sentinel(service: str = "llmserve") -> SentinelGroup:
-    taken: set[int] = set()
-    for _ in range(3):
-        taken.add(free_node_port(taken))
-    first, second, sentinel_port = sorted(taken)
-    group = SentinelGroup(service, [first, second], sentinel_port,
-                          tempfile.TemporaryDirectory(prefix="llmserve-sentinel-"))
-    try:
-        group.start()
-    except BaseException:
-        group.stop()
-        raise
-    return group
+    first, second, sentinel_port = sorted(free_node_ports(3))
+    return started(SentinelGroup(service, [first, second], sentinel_port,
+                                 tempfile.TemporaryDirectory(prefix="llmserve-sentinel-")))

@@ -19,9 +19,10 @@ import pytest
 from common.clients import sync_client
 from common.keys import Keys
 from gateway.batch_lines import read_lines, window_seconds
+from gateway.batch_store import BatchKeys
 from gateway.errors import ApiError
 from llmserve.launcher import PrivateStack
-from tests.conftest import RunningStack, openai_client, sim_stack, wait_for
+from tests.conftest import RunningStack, openai_client, pid_of, sim_stack, wait_for
 from tests.test_resume import running, sim_text
 
 ALPHA = {"Authorization": "Bearer alpha"}
@@ -234,9 +235,9 @@ def test_lines_left_when_the_window_passes_are_failed_as_expired(sim: PrivateSta
 
 
 def holder_pid(stack: PrivateStack, batch_id: str) -> int:
-    lease = sync_client(stack.redis_url).get(f"{NAMESPACE}-kill:batch:{{{batch_id}}}:lease")
+    lease = sync_client(stack.redis_url).get(BatchKeys(f"{NAMESPACE}-kill").lease(batch_id))
     assert lease, "no gateway holds the job"
-    return int(lease.decode().split("-")[-2])
+    return pid_of(lease.decode())
 
 
 def test_a_job_survives_kill_9_of_its_gateway_a_worker_and_the_scheduler() -> None:
