@@ -70,8 +70,9 @@ class Engine(Protocol):
     def has_work(self) -> bool: ...
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-            resume: list[int] | None = None) -> None:
-        """Queue a request; `resume` holds tokens another worker already delivered. Raises PromptTooLong."""
+            resume: list[int] | None = None, background: bool = False) -> None:
+        """Queue a request; `resume` holds tokens another worker already delivered; `background`: a batch job's
+        line, which an engine may hold back for interactive requests. Raises PromptTooLong."""
 
     def cancel(self, request_id: str) -> bool: ...
 

@@ -250,7 +250,7 @@ class Worker:
             self._complete(submit)
             return
         prompt_ids = self.loaded.prompt_ids(submit)
-        self.engine.add(submit.request_id, prompt_ids, submit.params, submit.resume)
+        self.engine.add(submit.request_id, prompt_ids, submit.params, submit.resume, submit.background)
         if self.engine.routing is not None:
             self.engine.routing.remember(prefix_keys(submit), prompt_ids)
 

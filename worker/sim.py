@@ -91,7 +91,7 @@ class SimEngine:
         return bool(self.waiting or self.running)
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-            resume: list[int] | None = None) -> None:
+            resume: list[int] | None = None, background: bool = False) -> None:
         if len(prompt_ids) + len(resume or []) >= self.model.max_length:
             raise PromptTooLong(f"the prompt has {len(prompt_ids)} tokens; the context is {self.model.max_length}")
         self.waiting.append(SimSequence(request_id, prompt_ids, params, list(resume or [])))

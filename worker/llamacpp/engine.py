@@ -107,7 +107,7 @@ class LlamaCppEngine:
     # -- requests in and out
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-            resume: list[int] | None = None) -> None:
+            resume: list[int] | None = None, background: bool = False) -> None:
         resume = list(resume or [])
         self.output.check(prompt_ids, resume)
         matcher = self.model.grammars.matcher(params.grammar, resume) if params.grammar else None

@@ -109,7 +109,7 @@ class Engine:
     # -- requests in and out
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-            resume: list[int] | None = None) -> None:
+            resume: list[int] | None = None, background: bool = False) -> None:
         """Queue a sequence. `resume` holds tokens another worker already delivered: they are
         prefilled with the prompt and generation continues after them."""
         resume = list(resume or [])
@@ -117,7 +117,8 @@ class Engine:
         matcher = self.loaded.grammars.matcher(params.grammar, resume) if params.grammar else None
         self.waiting.append(Sequence(self.output.open(request_id, prompt_ids, params, resume, matcher),
                                      prompt_ids, new_generator(params, self.loaded.device),
-                                     block_digests(prompt_ids, self.block) if self.store is not None else []))
+                                     block_digests(prompt_ids, self.block) if self.store is not None else [],
+                                     background))
 
     def cancel(self, request_id: str) -> bool:
         if self.planner.cancel(request_id):
@@ -138,7 +139,7 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> StepResult:
-        plan = self.planner.schedule(len(self.running))
+        plan = self.planner.schedule(len(self.running), sum(s.background for s in self.running))
         for prompt, cached in plan.looked_up:
             metrics.prefix_lookup(self.loaded.name, prompt, cached)
         if plan.kind == "mixed":

@@ -63,16 +63,19 @@ class Planner:
     def prefilling(self) -> list[Sequence]:
         return [s for group in list(self.prefills) for s in group.sequences]
 
-    def schedule(self, running: int) -> Plan:
+    def schedule(self, running: int, background: int = 0) -> Plan:
         """A decode that carries a chunk of one group (`mixed`, where the kernels allow), a prefill step or a
         decode; where a chunk cannot ride in the decode step, a prefill step is always followed by a decode. So
-        neither arrivals nor long prompts hold `running` sequences up for more than a chunk."""
+        neither arrivals nor long prompts hold `running` sequences up for more than a chunk. While `background`
+        of the running rows are batch lines, an interactive prompt's chunk is a prefill step of its own, ahead of
+        their decode: its first token does not wait for the lane's rows (issue 46)."""
         mixing = self.shape.mixes and running > 0
         looked_up: list[tuple[int, int]] = []
         if mixing or not running or self.last_kind != "prefill":
             looked_up = self._admit(running)
             if self.prefills:
-                self.last_kind = "mixed" if mixing else "prefill"
+                ahead = background and self.last_kind != "prefill" and any(g.interactive for g in self.prefills)
+                self.last_kind = "mixed" if mixing and not ahead else "prefill"
                 return Plan(self.last_kind, looked_up)
         self.last_kind = "decode"
         return Plan("decode" if running else "idle", looked_up)
@@ -104,8 +107,8 @@ class Planner:
 
     def _join_group(self, sequence: Sequence, cached: int) -> None:
         depth = cached * self.block
-        group = next((g for g in self.prefills if g.cache is None and g.depth == depth and self.shape.exact_blocks),
-                     None)
+        group = next((g for g in self.prefills if g.cache is None and g.depth == depth and self.shape.exact_blocks
+                      and g.interactive != sequence.background), None)
         if group is None:
             group = PrefillGroup([], depth, self.groups_formed)
             self.groups_formed += 1
@@ -115,12 +118,12 @@ class Planner:
             group.restored.append(self.store.take(sequence.digests[:cached]))
 
     def next_group(self) -> PrefillGroup:
-        """Turns alternate: the group nearest its end (a short prompt need not wait behind a long one), then
-        the oldest (so that none waits forever)."""
+        """Interactive groups before the batch lane's; among them turns alternate: the group nearest its end (a
+        short prompt need not wait behind a long one), then the oldest (so that none waits forever)."""
         self.prefill_turns += 1
         if self.prefill_turns % 2:
-            return min(self.prefills, key=lambda g: (g.remaining(self.block), g.order))
-        return min(self.prefills, key=lambda g: g.order)
+            return min(self.prefills, key=lambda g: (not g.interactive, g.remaining(self.block), g.order))
+        return min(self.prefills, key=lambda g: (not g.interactive, g.order))
 
     def prefill_blocks(self, running: bool) -> int | None:
         """Blocks a prefill step computes of its group (None: every prompt to its end). With nothing running, no

@@ -23,6 +23,7 @@ class Sequence:
     prompt_ids: list[int]
     generator: torch.Generator | None
     digests: list[bytes] = field(default_factory=list)
+    background: bool = False  # a batch job's line: its prefill gives way to interactive ones
 
     @property
     def request_id(self) -> str:
@@ -87,6 +88,11 @@ class PrefillGroup:
     def remaining(self, block: int) -> int:
         """Blocks until its longest prompt is done."""
         return max(-(-(len(s.prompt_ids) - self.depth) // block) for s in self.sequences)
+
+    @property
+    def interactive(self) -> bool:
+        """Whether it holds a request of a client that waits (not only batch lines)."""
+        return not all(s.background for s in self.sequences)
 
     def longest_left(self) -> int:
         """Tokens until its longest prompt is done."""

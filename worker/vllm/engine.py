@@ -135,7 +135,7 @@ class VllmEngine:
     # -- requests in and out
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-            resume: list[int] | None = None) -> None:
+            resume: list[int] | None = None, background: bool = False) -> None:
         resume = list(resume or [])
         self.output.check(prompt_ids, resume)
         from vllm import SamplingParams as VllmParams
