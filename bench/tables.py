@@ -399,6 +399,18 @@ def worker_start(d: dict) -> tuple[str, Table]:
     return head, table
 
 
+def worker_memory(d: dict) -> tuple[str, Table]:
+    files = d["files"]
+    stages = [row["stage"].split(" (")[0] for row in next(iter(files.values()))["stages"]]
+    table = [["stage", *files]]
+    for i, stage in enumerate(stages):
+        table.append([stage, *(f"{num(f['stages'][i]['rss'])} ({num(f['stages'][i]['peak'])})"
+                               for f in files.values())])
+    shipped = files.get("shipped", next(iter(files.values())))["stages"]
+    runtime = next(row["rss"] for row in shipped if row["stage"] == "engine modules")
+    return f"{num(runtime, ' MB')} resident before any model (Python, torch, transformers' model code)", table
+
+
 def isolation(d: dict) -> tuple[str, Table]:
     fair = d["fairness"]
     table = [["figure", "value"]]
@@ -649,6 +661,8 @@ RENDERERS: dict[str, tuple[str, Callable[[dict], tuple[str, Table]]]] = {
     "drain_sim": ("the same on `ENGINE=sim`", drain),
     "resume_sim": ("resuming after a dropped connection or a killed gateway, `ENGINE=sim`", resume),
     "resume_hf": ("the same on the real model, greedy", resume),
+    "worker_memory": ("where an own-engine worker's memory goes: resident MB after each stage of its start (its peak "
+                      "so far), a fresh process per file (`bench/worker_memory.py`)", worker_memory),
     "isolation": ("`ENGINE=sim`, one worker of 16 slots: fair shares against fifo, Redis bytes left per finished "
                   "request, 1,000 clients that never read", isolation),
     "telemetry_overhead": ("tracing on and off; what metrics cost per token", telemetry_overhead),

@@ -82,6 +82,14 @@ def test_every_block_type_reaches_the_kernels_holding_the_file_s_weights(kind: T
     assert F.cosine_similarity(layer(x), x @ want.T, dim=-1).min() > 0.999
 
 
+def test_a_matrix_taken_to_q8_0_by_parts_is_the_whole_one_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Transcoding goes a few rows at a time (no float32 copy of a whole output layer at the load's peak)."""
+    rows = k_quant_rows(T.Q6_K, 50, 512, 4)
+    whole = quants.quantize(quants.dequantize(rows, T.Q6_K).astype(np.float32), T.Q8_0)
+    monkeypatch.setattr(transcode, "CHUNK_ROWS", 16)  # 50 rows: three whole parts and a short one
+    assert np.array_equal(transcode.transcode(rows, T.Q6_K, T.Q8_0), whole)
+
+
 def test_a_fused_matrix_of_mixed_types_is_one_type_and_unreadable_ones_are_refused() -> None:
     q4k, q6k = k_quant_rows(T.Q4_K, 32, 256, 1), k_quant_rows(T.Q6_K, 16, 256, 2)
     fused = BlockLinear([FileTensor("q", T.Q4_K, (256, 32), q4k), FileTensor("v", T.Q6_K, (256, 16), q6k)])

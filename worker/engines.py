@@ -7,10 +7,14 @@ from __future__ import annotations
 import importlib.util
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from common.settings import Settings
 from worker.core import Engine, Model
 from worker.prefix import cache_bytes
+
+if TYPE_CHECKING:  # torch stays out of an ENGINE=sim worker
+    from worker.own.model import LoadedModel
 
 log = logging.getLogger("worker")
 
@@ -72,11 +76,16 @@ def _sim(settings: Settings) -> tuple[Model, Engine]:
 
 def _hf(settings: Settings) -> tuple[Model, Engine]:
     # Imported here: an ENGINE=sim worker never loads torch.
-    from worker.own.engine import Engine as ModelEngine
     from worker.own.model import load_model
 
+    return own_engine(settings, load_model(settings))
+
+
+def own_engine(settings: Settings, loaded: LoadedModel) -> tuple[Model, Engine]:
+    """The own engine (ENGINE=hf) on a loaded model."""
+    from worker.own.engine import Engine as ModelEngine
+
     static = _static(settings)
-    loaded = load_model(settings)
     _ = loaded.grammars  # its vocabulary index builds while the worker starts
     prefix_bytes = cache_bytes(settings.prefix_cache_setting())
     log.info("prefix cache", extra={"bytes": prefix_bytes, "setting": settings.prefix_cache_bytes})

@@ -112,8 +112,9 @@ def pack(blocks: np.ndarray, kind: gguf.GGMLQuantizationType) -> torch.Tensor:
     per_block = gguf.GGML_QUANT_SIZES[kind][1]
     n = blocks.shape[0]
     tiles = -(-n // TILE)
-    rows = np.zeros((tiles * TILE, blocks.shape[1] // per_block, per_block), np.uint8)  # padded with zeros
-    rows[:n] = blocks.reshape(n, -1, per_block)
+    rows = blocks.reshape(n, -1, per_block)
+    if n % TILE:  # padded with zeros (a copy only then: an output layer is a large share of the load's peak)
+        rows = np.concatenate([rows, np.zeros((tiles * TILE - n, *rows.shape[1:]), np.uint8)])
     by_tile = rows.reshape(tiles, TILE, -1, per_block).transpose(0, 2, 1, 3)  # [tiles, blocks, channel, bytes]
     halves = 4 if kind == Q4_1 else 2  # float16 scale (and minimum) before the codes
     codes = by_tile[..., halves:]
@@ -139,8 +140,9 @@ class BlockLinear(nn.Module):
         self.kind = transcode.target(kinds)
         self.exact = transcode.exact(kinds)  # the file's own weights, bit for bit
         orders = rows or [None] * len(tensors)
-        raw = np.concatenate([transcode.transcode(t.data if o is None else t.data[o], t.kind, self.kind)
-                              for t, o in zip(tensors, orders, strict=True)])
+        parts = [transcode.transcode(t.data if o is None else t.data[o], t.kind, self.kind)
+                 for t, o in zip(tensors, orders, strict=True)]
+        raw = parts[0] if len(parts) == 1 else np.concatenate(parts)
         self.in_features = int(tensors[0].shape[0])
         self.out_features = raw.shape[0]
         self.packed = pack(raw, self.kind)

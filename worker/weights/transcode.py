@@ -32,6 +32,9 @@ BLOCK = 32
 # left out, as transformers cannot load their files either.
 READABLE = frozenset({T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K,
                       T.Q6_K, T.IQ4_NL, T.IQ4_XS})
+# Rows dequantized at a time on the way to Q8_0: a whole output layer in float32 (and gguf's temporaries) would be
+# several times the file's size at the load's peak; each block's arithmetic is its own, so the bits are the same.
+CHUNK_ROWS = 1024
 # What transcoding may move a weight by, as a share of its row's largest: half an 8-bit step of a block's largest
 # (1/254) plus a float16 scale's rounding (2**-11 of a block's largest), with room to spare.
 TOLERANCE = 1 / 128
@@ -61,8 +64,14 @@ def transcode(rows: np.ndarray, kind: T, goal: T) -> np.ndarray:
         return _q4_k_as_q4_1(rows)
     if goal != Q8_0:
         raise ValueError(f"{kind.name} blocks cannot be taken to {goal.name}")
-    values = quants.dequantize(rows, kind)  # [n, inputs] float32
-    return quants.quantize(np.ascontiguousarray(values, np.float32), Q8_0)
+    out = None
+    for start in range(0, rows.shape[0], CHUNK_ROWS):
+        values = quants.dequantize(rows[start:start + CHUNK_ROWS], kind)  # [rows, inputs] float32
+        chunk = quants.quantize(np.ascontiguousarray(values, np.float32), Q8_0)
+        if out is None:
+            out = np.empty((rows.shape[0], chunk.shape[1]), np.uint8)
+        out[start:start + len(chunk)] = chunk
+    return out
 
 
 def _q4_0_as_q4_1(rows: np.ndarray) -> np.ndarray:
