@@ -28,6 +28,7 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.memory import memory_mb  # noqa: E402
 from bench.provenance import provenance, update_results  # noqa: E402
 from llmserve.bench.stats import describe  # noqa: E402
 from llmserve.launcher import private_stack  # noqa: E402
@@ -150,8 +151,7 @@ def slow_readers(args: argparse.Namespace) -> dict[str, object]:
         sent = time.monotonic()
         normal = httpx.post(f"{running.url}/generate", json={"prompt": "still there?", "max_tokens": 2}, timeout=30)
         normal_s = time.monotonic() - sent
-        status = Path(f"/proc/{gateway.pid}/status").read_text()
-        peak = int(re.search(r"VmHWM:\s+(\d+)", status).group(1)) / 1024
+        peak = memory_mb(gateway.pid)["peak"]
         for sock in clients:
             sock.close()
         exited = running.stack.exited()

@@ -34,6 +34,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.memory import memory_mb  # noqa: E402
 from bench.peers import measure, median_levels, peer_server  # noqa: E402
 from bench.provenance import provenance, write_results  # noqa: E402
 from llmserve.bench.client import Sampling, Target  # noqa: E402
@@ -113,9 +114,9 @@ def make(args: argparse.Namespace) -> None:
 
 
 def memory(pid: int) -> dict[str, float]:
-    """A process's resident memory now and its peak, in MB (/proc's VmRSS and VmHWM)."""
-    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
-    return {"rss_mb": int(fields["VmRSS"].split()[0]) / 1024, "peak_mb": int(fields["VmHWM"].split()[0]) / 1024}
+    """A process's resident memory now and its peak, in MB."""
+    now = memory_mb(pid)
+    return {"rss_mb": now["rss"], "peak_mb": now["peak"]}
 
 
 def path_taken(url: str) -> str:

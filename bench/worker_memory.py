@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,14 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.memory import memory_mb  # noqa: E402
 from bench.provenance import provenance, write_results  # noqa: E402
-
-
-def memory_mb() -> dict[str, float]:
-    status = Path("/proc/self/status").read_text()
-    fields = dict(re.findall(r"(VmRSS|VmHWM|RssAnon|RssFile):\s+(\d+)", status))
-    return {"rss": int(fields["VmRSS"]) / 1024, "anonymous": int(fields["RssAnon"]) / 1024,
-            "file": int(fields["RssFile"]) / 1024, "peak": int(fields["VmHWM"]) / 1024}
 
 
 def stages() -> None:

@@ -120,17 +120,17 @@ def test_an_interactive_prompt_is_prefilled_ahead_of_the_batch_lanes_decode():
     plan = planner(slots=64)
     arrive(plan, 12)
     # With batch lines running, its chunk is a step of its own, then the decode (never two in a row).
-    assert plan.schedule(running=40, background=36).kind == "prefill"
-    assert plan.schedule(running=40, background=36).kind == "mixed"
-    assert plan.schedule(running=40, background=36).kind == "prefill"
+    assert plan.schedule(running=40, background=True).kind == "prefill"
+    assert plan.schedule(running=40, background=True).kind == "mixed"
+    assert plan.schedule(running=40, background=True).kind == "prefill"
     # Among interactive streams only, it rides in their decode step as before.
-    assert plan.schedule(running=8, background=0).kind == "mixed"
+    assert plan.schedule(running=8, background=False).kind == "mixed"
 
 
 def test_batch_lines_prefill_inside_the_decode_step():
     plan = planner(slots=64)
     batch_lines(plan, 12)
-    assert [plan.schedule(running=40, background=36).kind for _ in range(2)] == ["mixed", "mixed"]
+    assert [plan.schedule(running=40, background=True).kind for _ in range(2)] == ["mixed", "mixed"]
 
 
 def test_interactive_groups_go_before_older_batch_groups_and_never_share_one():

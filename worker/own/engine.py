@@ -139,7 +139,9 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> StepResult:
-        plan = self.planner.schedule(len(self.running), sum(s.background for s in self.running))
+        # Whether batch lines run matters only to a prompt waiting for its prefill: no scan of the rows otherwise.
+        waiting = self.planner.waiting or self.planner.prefills
+        plan = self.planner.schedule(len(self.running), bool(waiting) and any(s.background for s in self.running))
         for prompt, cached in plan.looked_up:
             metrics.prefix_lookup(self.loaded.name, prompt, cached)
         if plan.kind == "mixed":

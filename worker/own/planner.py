@@ -63,11 +63,11 @@ class Planner:
     def prefilling(self) -> list[Sequence]:
         return [s for group in list(self.prefills) for s in group.sequences]
 
-    def schedule(self, running: int, background: int = 0) -> Plan:
+    def schedule(self, running: int, background: bool = False) -> Plan:
         """A decode that carries a chunk of one group (`mixed`, where the kernels allow), a prefill step or a
         decode; where a chunk cannot ride in the decode step, a prefill step is always followed by a decode. So
-        neither arrivals nor long prompts hold `running` sequences up for more than a chunk. While `background`
-        of the running rows are batch lines, an interactive prompt's chunk is a prefill step of its own, ahead of
+        neither arrivals nor long prompts hold `running` sequences up for more than a chunk. While batch lines are
+        among the running rows (`background`), an interactive prompt's chunk is a prefill step of its own, ahead of
         their decode: its first token does not wait for the lane's rows (issue 46)."""
         mixing = self.shape.mixes and running > 0
         looked_up: list[tuple[int, int]] = []
