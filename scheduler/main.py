@@ -38,9 +38,11 @@ from scheduler.outcomes import Outcomes
 from scheduler.policy import (
     BATCH_OVERHEAD,
     PRIORITY_CLASSES,
+    InteractivePeak,
     Queued,
     WaitingQueue,
     fits_a_batch,
+    interactive_demand,
     model_figures,
     plan,
     priority_class,
@@ -70,6 +72,7 @@ class Scheduler:
         """Forget everything held in memory; `_take_over` rebuilds it from Redis."""
         self.leading = False
         self.queue = WaitingQueue(fair=self.settings.scheduling_policy == "fair")
+        self.interactive = InteractivePeak()
         self.roster = Roster(self.redis, self.keys, self.settings, self.outcomes,
                              lambda: self._consume({self.keys.events: ">"}, block_ms=None))
         # A standby or a demoted leader shows no work: only the leader's gauges count.
@@ -299,9 +302,11 @@ class Scheduler:
         pipe.execute()
 
     def _dispatch(self) -> None:
+        workers = list(self.roster.workers.values())
+        reserved = self.interactive.note(now(), interactive_demand(self.queue, workers))
         if not self.queue:
             return
-        batches = plan(self.queue, list(self.roster.workers.values()), self.limit, now())
+        batches = plan(self.queue, workers, self.limit, now(), reserved)
         if not batches:
             return
         pipe = self.redis.pipeline(transaction=False)

@@ -14,7 +14,8 @@
   room. Each worker's share is cut into batches that fit one bus message.
 - The lines of batch jobs (`Submit.background`) wait in a lane of their own, per model: one starts only while no
   interactive request of its model waits, and together they hold at most a tenant's share of the slots, so an
-  interactive arrival always finds a slot free.
+  interactive arrival always finds a slot free. Nor do they take the slots interactive requests held or waited
+  for a moment ago (`InteractivePeak`): a client's next request, sent as its last one ends, finds that slot free.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ EXPECTED_TTL = 15.0
 EXPECTED_LIMIT = 1024  # keys remembered that way per worker, the oldest forgotten first
 # The tenant every background request runs as: the lane's slots are counted as one tenant's.
 BACKGROUND = "~background"
+# How long the lane leaves free the most slots interactive requests held or waited for: far longer than a client
+# takes between one answer's end and its next request, short beside a batch job's run.
+INTERACTIVE_MEMORY_S = 5.0
 
 
 # Classes of urgency the scheduler's metrics are labelled by (a label per priority value would be unbounded).
@@ -148,6 +152,10 @@ class WaitingQueue:
         for queue in [*self.tenants.values(), *self.background.values()]:
             yield from (ranked[-1] for ranked in queue)
 
+    def interactive(self) -> int:
+        """Requests waiting that are not batch lines."""
+        return sum(not item.submit.background for item in self.migrated) + sum(map(len, self.tenants.values()))
+
     def depths(self) -> Counter[str]:
         """Requests waiting, by the model they name."""
         return Counter(item.model for item in self)
@@ -219,9 +227,34 @@ class WaitingQueue:
                     del heaps[key]
 
 
+class InteractivePeak:
+    """The most slots interactive requests held or waited for (`interactive_demand`) within the last `window`
+    seconds: the batch lane leaves them free. A line that took the slot a stream had just left would make that
+    client's next request wait for the line's end (issue 46)."""
+
+    def __init__(self, window: float = INTERACTIVE_MEMORY_S) -> None:
+        self.window = window
+        self.marks: deque[tuple[float, int]] = deque()  # (clock, demand), the demands falling from the first on
+
+    def note(self, clock: float, demand: int) -> int:
+        """Add the demand now; return the peak of the window."""
+        while self.marks and self.marks[-1][1] <= demand:
+            self.marks.pop()
+        self.marks.append((clock, demand))
+        while self.marks[0][0] < clock - self.window:
+            self.marks.popleft()
+        return self.marks[0][1]
+
+
+def interactive_demand(queue: WaitingQueue, workers: list[WorkerState]) -> int:
+    """Slots interactive requests hold or wait for now."""
+    return queue.interactive() + sum(t != BACKGROUND for w in workers for t in w.assigned.values())
+
+
 def plan(queue: WaitingQueue, workers: list[WorkerState], limit: int,
-         clock: float = 0.0) -> list[tuple[str, list[Queued]]]:
-    """Pop what the free slots take, as (worker_id, batch) pairs whose batches each fit `limit` bytes.
+         clock: float = 0.0, reserved: int = 0) -> list[tuple[str, list[Queued]]]:
+    """Pop what the free slots take, as (worker_id, batch) pairs whose batches each fit `limit` bytes; batch
+    lines leave `reserved` slots (an InteractivePeak) to interactive requests.
 
     Filling the emptiest worker first spreads a burst over all workers (each one is separate
     compute), while each worker still receives its share in as few messages as fit; a request
@@ -232,7 +265,8 @@ def plan(queue: WaitingQueue, workers: list[WorkerState], limit: int,
     running = Counter(tenant for w in workers for tenant in w.assigned.values()) if queue.fair else Counter()
     total = sum(w.slots for w in workers if not w.draining)
     cap = tenant_cap(total) if queue.fair else sum(free.values())
-    background = tenant_cap(total) - sum(t == BACKGROUND for w in workers for t in w.assigned.values())
+    lane = sum(t == BACKGROUND for w in workers for t in w.assigned.values())
+    background = min(tenant_cap(total), total - reserved) - lane
     batches: dict[str, list[list[Queued]]] = {}
     sizes: dict[str, int] = {}
     def placeable(model: str) -> bool:

@@ -7,10 +7,12 @@ from scheduler.policy import (
     BACKGROUND,
     BATCH_OVERHEAD,
     PRIORITY_CLASSES,
+    InteractivePeak,
     Queued,
     WaitingQueue,
     WorkerState,
     fits_a_batch,
+    interactive_demand,
     plan,
     priority_class,
     tenant_cap,
@@ -198,6 +200,35 @@ def test_background_lines_leave_an_interactive_share_of_the_slots_free() -> None
     running = {"x": BACKGROUND, "y": BACKGROUND, "z": "someone"}
     assert sum(len(b) for _, b in plan(queue, [WorkerState("a", 16, assigned=running)], LIMIT)) == 12
     assert plan(queue, [WorkerState("a", 2, assigned={"x": BACKGROUND})], LIMIT) == []
+
+
+def test_the_peak_of_interactive_demand_is_kept_for_its_window() -> None:
+    peak = InteractivePeak(window=5.0)
+    assert [peak.note(t, d) for t, d in [(0, 3), (1, 8), (2, 7), (3, 2), (5.5, 4)]] == [3, 8, 8, 8, 8]
+    assert peak.note(6.5, 1) == 7  # 8 (at 1) left the window; 7 (at 2) is the highest left
+    assert peak.note(7.5, 0) == 4 and peak.note(20, 0) == 0
+
+
+def test_interactive_demand_counts_running_and_waiting_requests_but_not_lines() -> None:
+    queue = queue_of(item("chat", at=1), item("line", background=True), item("moved", migrations=1))
+    worker = WorkerState("a", 16, assigned={"x": "t", "y": BACKGROUND, "z": "u"})
+    assert interactive_demand(queue, [worker]) == 4
+
+
+def test_lines_leave_free_the_slots_interactive_streams_held_a_moment_ago() -> None:
+    # 8 closed-loop streams on 16 slots: one has just ended and its client's next request is on its way.
+    streams = {f"s{i}": "t" for i in range(7)}
+    lines = {f"x{i}": BACKGROUND for i in range(8)}
+    worker = WorkerState("a", 16, assigned={**streams, **lines})
+    queue = queue_of(*(item(f"l{i}", at=i, background=True) for i in range(10)))
+    peak = InteractivePeak()
+    peak.note(0.0, 8)
+    assert plan(queue, [worker], LIMIT, 0.5, peak.note(0.5, interactive_demand(queue, [worker]))) == []
+    queue.add(item("next", at=0.6))
+    [(_, batch)] = plan(queue, [worker], LIMIT, 0.6, peak.note(0.6, interactive_demand(queue, [worker])))
+    assert ids(batch) == ["next"]
+    # Without the reservation (the previous rule) a line took that slot.
+    assert ids(plan(queue_of(item("l", background=True)), [worker], LIMIT)[0][1]) == ["l"]
 
 
 def test_the_lane_counts_as_one_tenant_whoever_owns_the_lines() -> None:
