@@ -302,16 +302,15 @@ class Scheduler:
         pipe.execute()
 
     def _dispatch(self) -> None:
-        workers = list(self.roster.workers.values())
-        reserved = self.interactive.note(now(), interactive_demand(self.queue, workers))
+        workers, clock = list(self.roster.workers.values()), now()
+        reserved = self.interactive.note(clock, interactive_demand(self.queue, workers))
         if not self.queue:
             return
-        batches = plan(self.queue, workers, self.limit, now(), reserved)
+        batches = plan(self.queue, workers, self.limit, clock, reserved)
         if not batches:
             return
         pipe = self.redis.pipeline(transaction=False)
         self.outcomes.leave_queue(pipe, [item for _, batch in batches for item in batch])
-        clock = now()
         for worker_id, items in batches:
             batch = Batch(uuid.uuid4().hex[:12], [item.submit for item in items])
             pipe.hset(self.keys.assigned(worker_id),

@@ -262,11 +262,11 @@ def plan(queue: WaitingQueue, workers: list[WorkerState], limit: int,
     worker that serves its model."""
     states = {w.worker_id: w for w in workers}
     free = {w.worker_id: w.free for w in workers if w.free > 0}
-    running = Counter(tenant for w in workers for tenant in w.assigned.values()) if queue.fair else Counter()
+    assigned = Counter(tenant for w in workers for tenant in w.assigned.values())
     total = sum(w.slots for w in workers if not w.draining)
+    background = min(tenant_cap(total), total - reserved) - assigned[BACKGROUND]
+    running = assigned if queue.fair else Counter()
     cap = tenant_cap(total) if queue.fair else sum(free.values())
-    lane = sum(t == BACKGROUND for w in workers for t in w.assigned.values())
-    background = min(tenant_cap(total), total - reserved) - lane
     batches: dict[str, list[list[Queued]]] = {}
     sizes: dict[str, int] = {}
     def placeable(model: str) -> bool:
