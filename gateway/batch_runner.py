@@ -91,6 +91,8 @@ class JobRun:
         self.tasks: list[asyncio.Task[None]] = []
         self.ending: str | None = None  # "cancelled" or "expired", once decided
         self.lost = False
+        # The scheduler starts lines by their submitted_at: stamped one at a time, they start in the file's order.
+        self.stamping = asyncio.Lock()
 
     async def run(self) -> None:
         try:
@@ -209,7 +211,8 @@ class JobRun:
         """Run the line anew: its request_id, and how it went. While the queue is full, wait for room."""
         request = self.runner.request_of(job.owner, line.url)
         try:
-            submits = await openai_api.submits_of(request, line.body)
+            async with self.stamping:
+                submits = await openai_api.submits_of(request, line.body)
         except ApiError as error:
             return None, (answered(line, f"{job.id}-{line.number}", error.status, error.body()), False)
         for submit in submits:

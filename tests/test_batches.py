@@ -224,6 +224,8 @@ def test_the_lane_takes_only_what_interactive_requests_leave(sim: PrivateStack) 
 
 
 def test_lines_left_when_the_window_passes_are_failed_as_expired(sim: PrivateStack) -> None:
+    """Lines start in the file's order, so the two short first ones end within the window, and the 28 long
+    ones, running or waiting when it passes, fail as expired."""
     client = keyed(sim)
     lines = [line(f"e{i}", f"expiring {i}", max_tokens=4 if i < 2 else 3000) for i in range(30)]
     job = ended(client, run_job(client, lines, window="3s").id, timeout=60)
