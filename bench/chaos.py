@@ -24,7 +24,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.provenance import provenance, write_results  # noqa: E402
 from common.keys import Keys  # noqa: E402
-from llmserve.launcher import PrivateStack, private_stack, wait_until  # noqa: E402
+from harness.stacks import PrivateStack, private_stack  # noqa: E402
+from llmserve.processes import wait_until  # noqa: E402
 
 KEYS = Keys("chaos")
 TOKENS = 48

@@ -23,10 +23,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.provenance import provenance, update_results  # noqa: E402
+from harness.stacks import PrivateStack, private_stack  # noqa: E402
 from llmserve.bench.client import Sampling, Target  # noqa: E402
 from llmserve.bench.run import Level, run_level  # noqa: E402
 from llmserve.bench.workload import Lengths, make_jobs  # noqa: E402
-from llmserve.launcher import PrivateStack, private_stack  # noqa: E402
 
 
 def service(running: PrivateStack, name: str) -> psutil.Process:

@@ -325,9 +325,10 @@ def decode(args: argparse.Namespace) -> int:
 
 
 def stack(args: argparse.Namespace) -> int:
+    from harness.stacks import private_stack
     from llmserve.bench.client import Sampling, Target
     from llmserve.bench.run import HEADER, Level, format_row, run_level
-    from llmserve.launcher import free_port, private_stack
+    from llmserve.processes import free_port
 
     started = started_record()
     settings = Settings.from_env()

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 import bench.chaos as chaos  # noqa: E402
 from bench.provenance import provenance, write_results  # noqa: E402
-from llmserve.launcher import private_stack  # noqa: E402
+from harness.stacks import private_stack  # noqa: E402
 
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict[str, object]:

@@ -58,9 +58,10 @@ from bench.provenance import provenance, write_results  # noqa: E402
 from common.clients import sync_client  # noqa: E402
 from common.keys import Keys  # noqa: E402
 from common.protocol import TraceEvent, decode  # noqa: E402
-from llmserve.launcher import PrivateStack, Stack, Supervisor, _serving, gateway_ports  # noqa: E402
+from harness.stacks import PrivateStack  # noqa: E402
+from harness.topology import SentinelGroup, free_node_ports, started  # noqa: E402
+from llmserve.launcher import Stack, Supervisor, gateway_ports, serving  # noqa: E402
 from llmserve.processes import free_ports, wait_until  # noqa: E402
-from llmserve.topology import SentinelGroup, free_node_ports, started  # noqa: E402
 from tests.sse import parse  # noqa: E402
 
 NS = "nemesis"
@@ -120,7 +121,7 @@ class Options:
 
 @dataclass
 class Quorum(SentinelGroup):
-    """llmserve/topology.py's SentinelGroup with three sentinels (quorum 2) in place of one, and the primary
+    """harness/topology.py's SentinelGroup with three sentinels (quorum 2) in place of one, and the primary
     killed and restarted as a supervisor would."""
 
     sentinel_ports: list[int] = field(default_factory=list)
@@ -196,7 +197,7 @@ def start_quorum(service: str = "llmserve") -> Quorum:
 
 @contextlib.contextmanager
 def nemesis_stack(options: Options) -> Iterator[PrivateStack]:
-    """launcher.private_stack's stack with two schedulers, on a Quorum; yields once every gateway sees every
+    """harness.stacks.private_stack's stack with two schedulers, on a Quorum; yields once every gateway sees every
     worker."""
     group = start_quorum()
     try:
@@ -211,7 +212,7 @@ def nemesis_stack(options: Options) -> Iterator[PrivateStack]:
             for _ in range(SCHEDULERS - 1):
                 stack.spawn("scheduler")  # a standby
             for url in urls:
-                wait_until(lambda url=url: _serving(url, WORKERS, stack), 600, f"{WORKERS} workers behind {url}", 0.5)
+                wait_until(lambda url=url: serving(url, WORKERS, stack), 600, f"{WORKERS} workers behind {url}", 0.5)
             yield running
         finally:
             for _, process in stack.processes:  # a frozen process would not hear its SIGTERM

@@ -26,11 +26,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.provenance import provenance, write_results  # noqa: E402
+from harness.stacks import private_stack  # noqa: E402
 from llmserve.bench.client import Sampling, Target  # noqa: E402
 from llmserve.bench.plot import plot_sweeps  # noqa: E402
 from llmserve.bench.run import HEADER, Level, discover_model, format_row, run_level  # noqa: E402
 from llmserve.bench.workload import Lengths, make_jobs  # noqa: E402
-from llmserve.launcher import free_port, private_stack, wait_until  # noqa: E402
+from llmserve.processes import free_port, wait_until  # noqa: E402
 from worker.prompts import bundled_gguf  # noqa: E402
 
 LLAMA_SERVER = "/tmp/peer/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server"

@@ -34,7 +34,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.provenance import provenance, write_results  # noqa: E402
 from common.protocol import SamplingParams, Submit  # noqa: E402
-from llmserve.launcher import PrivateStack, free_port, private_stack, wait_until  # noqa: E402
+from harness.stacks import PrivateStack, private_stack  # noqa: E402
+from llmserve.processes import free_port, wait_until  # noqa: E402
 from worker.sim import VOCAB, SimModel, sim_token  # noqa: E402
 
 

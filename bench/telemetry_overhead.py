@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT))
 from bench.provenance import provenance, write_results  # noqa: E402
 from bench.stack_throughput import PROMPTS, stack_round  # noqa: E402
 from gateway import metrics as gateway_metrics  # noqa: E402
-from llmserve.launcher import private_stack  # noqa: E402
+from harness.stacks import private_stack  # noqa: E402
 from worker import metrics as worker_metrics  # noqa: E402
 
 

@@ -25,7 +25,8 @@ sys.path.insert(0, str(ROOT))
 from bench.peers import measure, median_levels, peer_server  # noqa: E402
 from bench.provenance import provenance, write_results  # noqa: E402
 from common.settings import Settings  # noqa: E402
-from llmserve.launcher import free_port, private_stack  # noqa: E402
+from harness.stacks import private_stack  # noqa: E402
+from llmserve.processes import free_port  # noqa: E402
 
 DEFAULT_VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 SERIES = ("llmserve-vllm", "vllm-server", "llmserve-hf")

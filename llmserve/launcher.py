@@ -11,11 +11,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlparse
 
 import httpx
@@ -25,8 +22,7 @@ from common.clients import parse_redis_url, sync_client
 from common.runtime import REDIS_ERRORS, Backoff
 from common.settings import Settings, SettingsError
 from common.telemetry import serve_metrics, setup_logging
-from llmserve.processes import free_port, free_ports, popen, redis_server_binary, wait_until
-from llmserve.topology import start_cluster, start_sentinel
+from llmserve.processes import popen, redis_server_binary, wait_until
 
 log = logging.getLogger("launcher")
 
@@ -218,68 +214,13 @@ class Supervisor:
         log.info("service restarted", extra={"service": name, "pid": process.pid})
 
 
-def _serving(url: str, workers: int, stack: Stack) -> bool:
+def serving(url: str, workers: int, stack: Stack) -> bool:
     if stack.exited():
         raise RuntimeError(f"{', '.join(stack.exited())} exited during start-up")
     try:
         return httpx.get(f"{url}/health").json()["workers"] == workers
     except (httpx.HTTPError, ValueError, KeyError):
         return False
-
-
-@dataclass
-class PrivateStack:
-    """A stack with a Redis of its own, for tests and benchmarks."""
-
-    url: str
-    stack: Stack
-    redis_url: str
-    redis_process: subprocess.Popen[bytes] | None
-    # Every gateway's URL, `url` first.
-    urls: list[str] = field(default_factory=list)
-    # A cluster or a Sentinel group (llmserve/topology.py) in place of the one redis-server.
-    topology: Any = None
-
-    def stop_redis(self) -> None:
-        if self.topology is not None:
-            self.topology.stop()
-            return
-        self.redis_process.terminate()
-        self.redis_process.wait()
-
-    def start_redis(self) -> None:
-        self.redis_process = start_redis(self.redis_url)
-
-
-@contextmanager
-def private_stack(workers: int | dict[str, int], gateways: int = 1, redis: str = "single",
-                  commands: dict[str, list[str]] | None = None,
-                  **settings: str) -> Iterator[PrivateStack]:
-    """Its own redis-server on a free port (`redis="cluster"`: a cluster of three masters;
-    `"cluster-with-replicas"`: each with a replica; `"sentinel"`: a primary, a replica and a Sentinel) and
-    every service (`gateways` of them on consecutive ports), with `settings` on top of the environment and
-    `commands` in place of a service's own; yields once all workers serve."""
-    topology = None
-    if redis == "single":
-        redis_url = f"redis://127.0.0.1:{free_port()}/0"
-        process = start_redis(redis_url)
-    else:
-        topology = start_sentinel() if redis == "sentinel" else start_cluster(replicas=int(redis.endswith("replicas")))
-        redis_url, process = topology.url, None
-    port = free_ports(gateways)
-    stack = Stack({**os.environ, "REDIS_URL": redis_url, "GATEWAY_HOST": "127.0.0.1", "GATEWAY_PORT": str(port),
-                   **settings}, commands=commands or {})
-    urls = [f"http://127.0.0.1:{p}" for p in gateway_ports(stack.env, gateways)]
-    running = PrivateStack(urls[0], stack, redis_url, process, urls, topology)
-    try:
-        stack.start(workers, gateways)
-        for url in urls:
-            wait_until(lambda url=url: _serving(url, total(workers), stack), 300,
-                       f"{total(workers)} worker(s) behind {url}", interval=0.5)
-        yield running
-    finally:
-        stack.stop()
-        running.stop_redis()
 
 
 def up(workers: int | dict[str, int], gateways: int = 1) -> int:

@@ -19,8 +19,10 @@ from common.clients import sync_client
 from common.keys import Keys
 from common.protocol import SamplingParams
 from common.settings import Settings
-from llmserve.launcher import PrivateStack, Stack, free_port, private_stack, start_redis
-from llmserve.launcher import wait_until as wait_for
+from harness.stacks import PrivateStack, private_stack
+from llmserve.launcher import Stack, start_redis
+from llmserve.processes import free_port
+from llmserve.processes import wait_until as wait_for
 
 if TYPE_CHECKING:  # torch, the model and the SDKs load only where a test asks for them
     import openai

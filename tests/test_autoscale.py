@@ -23,7 +23,8 @@ import yaml
 
 from common.keys import Keys
 from common.settings import Settings
-from llmserve.launcher import PrivateStack, wait_until
+from harness.stacks import PrivateStack
+from llmserve.processes import wait_until
 from tests.conftest import sim_stack
 from tests.sse import Streamed, read
 

@@ -21,7 +21,7 @@ from common.keys import Keys
 from gateway.batch_lines import read_lines, window_seconds
 from gateway.batch_store import BatchKeys
 from gateway.errors import ApiError
-from llmserve.launcher import PrivateStack
+from harness.stacks import PrivateStack
 from tests.conftest import RunningStack, openai_client, pid_of, sim_stack, wait_for
 from tests.test_resume import running, sim_text
 

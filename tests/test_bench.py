@@ -14,7 +14,7 @@ import pytest
 from llmserve.bench.client import Outcome, _Reader
 from llmserve.bench.stats import percentile, summarize
 from llmserve.bench.workload import Lengths, arrival_offsets, make_jobs
-from llmserve.launcher import free_port
+from llmserve.processes import free_port
 
 
 def test_lengths_parse_and_draw_within_their_distribution() -> None:

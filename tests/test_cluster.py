@@ -30,8 +30,9 @@ from common.resultlog import publish_results
 from common.scripts import PUBLISH_RESULTS
 from common.settings import Settings, SettingsError
 from gateway.shards import ShardedRouter
-from llmserve.launcher import PrivateStack, free_port, private_stack, wait_until
-from llmserve.topology import Cluster, start_cluster
+from harness.stacks import PrivateStack, private_stack
+from harness.topology import Cluster, start_cluster
+from llmserve.processes import free_port, wait_until
 from tests import test_faults, test_openai, test_resume, test_stack, test_structured, test_tokenize
 from tests.conftest import RunningStack, sim_stack
 from tests.sse import Streamed, read

@@ -24,8 +24,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llmserve.launcher import free_port
-from llmserve.launcher import wait_until as wait_for
+from llmserve.processes import free_port
+from llmserve.processes import wait_until as wait_for
 from tests.conftest import dispatched_to, openai_client
 from tests.sse import Streamed, read
 

@@ -18,8 +18,10 @@ from common.clients import sync_client
 from common.keys import Keys
 from common.protocol import Error, Result, SamplingParams, Submit, decode
 from common.settings import Settings
-from llmserve.launcher import PrivateStack, Stack, free_port, private_stack
-from llmserve.launcher import wait_until as wait_for
+from harness.stacks import PrivateStack, private_stack
+from llmserve.launcher import Stack
+from llmserve.processes import free_port
+from llmserve.processes import wait_until as wait_for
 from scheduler.main import Scheduler
 from tests.conftest import dispatched_to, pid_of, responds, workers_of
 from tests.sse import Streamed, read

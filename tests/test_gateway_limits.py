@@ -22,7 +22,9 @@ import pytest
 import redis
 
 from common.keys import PAYLOAD, Keys
-from llmserve.launcher import PrivateStack, Stack, free_port
+from harness.stacks import PrivateStack
+from llmserve.launcher import Stack
+from llmserve.processes import free_port
 from tests.conftest import redis_server, responds, sim_stack, wait_for
 
 ALPHA = {"Authorization": "Bearer alpha"}

@@ -22,8 +22,9 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
-from llmserve.launcher import PrivateStack, free_port, private_stack
-from llmserve.launcher import wait_until as wait_for
+from harness.stacks import PrivateStack, private_stack
+from llmserve.processes import free_port
+from llmserve.processes import wait_until as wait_for
 from tests.test_docker import build, image_mb, run, torch_index
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,7 +16,7 @@ from common.clients import sync_client
 from common.keys import Keys
 from common.protocol import Heartbeat, decode
 from common.settings import Settings
-from llmserve.launcher import wait_until
+from llmserve.processes import wait_until
 from tests.conftest import redis_server
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -20,7 +20,7 @@ from starlette.testclient import TestClient
 
 from common.settings import Settings
 from gateway.app import create_app
-from llmserve.launcher import PrivateStack
+from harness.stacks import PrivateStack
 from tests.conftest import RunningStack, sim_stack
 from tests.test_stack import heartbeats
 

@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from common.clients import sync_client
-from llmserve.launcher import PrivateStack
+from harness.stacks import PrivateStack
 from tests.conftest import sim_stack, wait_for
 from tests.sse import Streamed, read
 

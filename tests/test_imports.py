@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("common", "gateway", "scheduler", "worker", "llmserve")
+SHIPPED = ("common", "gateway", "scheduler", "worker", "llmserve")
+PACKAGES = (*SHIPPED, "harness")
 
 
 def modules() -> dict[str, Path]:
@@ -59,8 +60,10 @@ def test_no_module_reaches_itself_through_its_imports():
 
 
 # Lower rooms import nothing of the rooms above them: the model paths and kernels serve the own engine and know
-# nothing of it; the text side and the engine seam serve every engine.
-BELOW = {"worker.weights": ("worker.own", "worker.llamacpp", "worker.vllm", "worker.main"),
+# nothing of it; the text side and the engine seam serve every engine. What is installed needs nothing of the
+# harness of tests and benchmarks, which is not.
+BELOW = {**{package: ("harness",) for package in SHIPPED},
+         "worker.weights": ("worker.own", "worker.llamacpp", "worker.vllm", "worker.main"),
          "worker.output": ("worker.own", "worker.llamacpp", "worker.vllm"),
          "worker.core": ("worker.own", "worker.llamacpp", "worker.vllm")}
 
@@ -89,7 +92,7 @@ def test_the_check_sees_a_circle():
 
 
 @pytest.mark.parametrize("first", ["worker.weights.quant", "worker.own.cache", "worker.weights.paths",
-                                   "scheduler.compat_metrics", "llmserve.topology", "common.settings"])
+                                   "scheduler.compat_metrics", "harness.topology", "common.settings"])
 def test_a_module_imports_first_in_a_fresh_process(first):
     """Each module that was once in a circle imports on its own, before anything else of ours."""
     done = subprocess.run([sys.executable, "-c", f"import {first}"], cwd=ROOT, capture_output=True, text=True,

@@ -15,8 +15,9 @@ from pathlib import Path
 import httpx
 import psutil
 
-from llmserve.launcher import free_port, redis_reachable
-from llmserve.launcher import wait_until as wait_for
+from llmserve.launcher import redis_reachable
+from llmserve.processes import free_port
+from llmserve.processes import wait_until as wait_for
 
 LLMSERVE = Path(sys.executable).with_name("llmserve")
 

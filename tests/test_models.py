@@ -20,7 +20,9 @@ import pytest
 from common.clients import sync_client
 from common.keys import PAYLOAD, Keys
 from common.protocol import Batch, Heartbeat, ModelLoad, SamplingParams, Submit, decode, encode
-from llmserve.launcher import PrivateStack, free_port, private_stack, wait_until, worker_counts
+from harness.stacks import PrivateStack, private_stack
+from llmserve.launcher import worker_counts
+from llmserve.processes import free_port, wait_until
 from scheduler.policy import Queued, WaitingQueue, WorkerState, model_figures, plan
 from tests.conftest import pid_of
 from tests.sse import events

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from common.clients import sync_client
-from llmserve.launcher import PrivateStack
+from harness.stacks import PrivateStack
 from tests.conftest import sim_stack
 
 NAMESPACE = "quota"

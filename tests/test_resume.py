@@ -27,7 +27,8 @@ from common.resultlog import LOG_HEAD, publish_results
 from common.settings import Settings
 from gateway.errors import ApiError
 from gateway.sse import format_id, parse_id
-from llmserve.launcher import PrivateStack, free_port, free_ports
+from harness.stacks import PrivateStack
+from llmserve.processes import free_port, free_ports
 from tests.conftest import RunningStack, redis_server, sim_stack, trace, wait_for
 from tests.sse import Event, Streamed, read
 from tests.sse import events as sse_events

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from llmserve.launcher import PrivateStack, free_port, private_stack
+from harness.stacks import PrivateStack, private_stack
+from llmserve.processes import free_port
 from tests.sse import Event, events
 
 TOKENS = 200

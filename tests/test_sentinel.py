@@ -12,7 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from llmserve.launcher import PrivateStack, wait_until
+from harness.stacks import PrivateStack
+from llmserve.processes import wait_until
 from tests.conftest import sim_stack
 from tests.sse import Streamed, read
 

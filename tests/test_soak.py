@@ -20,8 +20,9 @@ import pytest
 import redis
 
 from common.keys import Keys
-from llmserve.launcher import PrivateStack, free_port, private_stack
-from llmserve.launcher import wait_until as wait_for
+from harness.stacks import PrivateStack, private_stack
+from llmserve.processes import free_port
+from llmserve.processes import wait_until as wait_for
 from tests.sse import read
 
 NS = "soak"

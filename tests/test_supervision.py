@@ -21,8 +21,9 @@ import pytest
 import redis
 
 from common.keys import Keys
-from llmserve.launcher import free_port, redis_reachable
-from llmserve.launcher import wait_until as wait_for
+from llmserve.launcher import redis_reachable
+from llmserve.processes import free_port
+from llmserve.processes import wait_until as wait_for
 from tests.conftest import pid_of
 from tests.sse import Reading, read_in_background
 

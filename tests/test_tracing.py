@@ -18,7 +18,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from common.settings import SettingsError
 from common.tracing import Tracing
-from llmserve.launcher import PrivateStack, free_port
+from harness.stacks import PrivateStack
+from llmserve.processes import free_port
 from tests.conftest import RunningStack, sim_stack
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -24,8 +24,9 @@ import redis
 from common.clients import sync_client
 from common.keys import Keys
 from common.protocol import Heartbeat, decode
-from llmserve.launcher import PrivateStack, free_port, private_stack
-from llmserve.launcher import wait_until as wait_for
+from harness.stacks import PrivateStack, private_stack
+from llmserve.processes import free_port
+from llmserve.processes import wait_until as wait_for
 from tests.conftest import pid_of
 from tests.sse import DONE, parse
 

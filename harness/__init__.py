@@ -1,0 +1,1 @@
+"""The harness tests and benchmarks share: private stacks and Redis topologies (not shipped)."""
