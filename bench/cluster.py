@@ -5,7 +5,7 @@ stack: two ENGINE=sim stacks side by side, one on a redis-server and one on a cl
     and inter-token latency of each, median round.
 publish: one worker step's results published as the worker does (common/resultlog.py) for 16 / 64 / 256
     rows: one script call on one server, one per request's slot in a cluster (one pipeline); median ms.
-admit: one streamed request admitted as the gateway does (gateway/bus.py); a cluster first creates the
+admit: one streamed request admitted as the gateway does (gateway/admission.py); a cluster first creates the
     request's log in its own slot, then runs the admission script; median ms.
 """
 
@@ -30,11 +30,13 @@ from common.protocol import SamplingParams, StreamMeta, Submit, Token, encode, n
 from common.resultlog import publish_results  # noqa: E402
 from common.settings import Settings  # noqa: E402
 from gateway.bus import Bus  # noqa: E402
+from harness.stacks import private_stack  # noqa: E402
+from harness.topology import start_cluster  # noqa: E402
 from llmserve.bench.client import Sampling, Target  # noqa: E402
 from llmserve.bench.run import Level, run_level  # noqa: E402
 from llmserve.bench.workload import Lengths, make_jobs  # noqa: E402
-from llmserve.launcher import free_port, private_stack, start_redis  # noqa: E402
-from llmserve.topology import start_cluster  # noqa: E402
+from llmserve.launcher import start_redis  # noqa: E402
+from llmserve.processes import free_port  # noqa: E402
 
 KINDS = ("single", "cluster")
 
@@ -125,7 +127,7 @@ def admit(urls: dict[str, str], repeats: int) -> dict:
                 submit = Submit(f"admit-{i}", SamplingParams(), prompt="hello there", submitted_at=now(), tenant="t")
                 meta = StreamMeta("seed", [submit.request_id])
                 started = time.perf_counter()
-                await bus.admit([submit], meta)
+                await bus.admission.admit([submit], meta)
                 samples.append(time.perf_counter() - started)
             await bus.redis.aclose()
             return samples[5:]

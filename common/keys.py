@@ -109,7 +109,7 @@ class Keys:
         return self._shared("queued_bytes")
 
     def quota(self, tenant: str) -> str:
-        """Hash of a tenant's quota window: the minute, its requests and its tokens (gateway/bus.py)."""
+        """Hash of a tenant's quota window: the minute, its requests and its tokens (counted by ADMIT and SPEND)."""
         return self._shared(f"quota:{tenant}")
 
     @property

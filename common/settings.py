@@ -322,6 +322,18 @@ class Settings:
         """Models a gateway accepts requests for besides MODEL while no live worker serves them (MODELS)."""
         return _names(self.models)
 
+    def api_key_list(self) -> list[str]:
+        """The keys API_KEYS names; none: every request is its own tenant, with no key limits or quotas."""
+        return _names(self.api_keys)
+
+    def key_limit(self) -> int:
+        """KEY_MAX_REQUESTS where API keys are on, else 0 (no limit)."""
+        return self.key_max_requests if self.api_key_list() else 0
+
+    def resumable(self) -> bool:
+        """Whether streams keep a results log in Redis, to be resumed (RESUME_TTL above 0)."""
+        return self.resume_ttl > 0
+
     def prefix_cache_setting(self) -> int | None:
         """PREFIX_CACHE_BYTES: a bound in bytes (0: no prefix cache), or None for `auto` (sized by the worker from
         the memory it has once its model is loaded: worker/prefix.py)."""

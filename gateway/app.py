@@ -46,7 +46,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(tokenize.router)
     app.include_router(observe.router)
     app.include_router(page.router)
-    keys = [key.strip() for key in settings.api_keys.split(",") if key.strip()]
+    keys = settings.api_key_list()
     # An upload's limit leaves room for its multipart framing; the file itself is checked against the setting.
     uploads = {"/v1/files": (settings.batch_file_bytes + UPLOAD_FRAMING, "BATCH_FILE_BYTES")}
     app.add_middleware(Guard, api_keys=keys, max_body=settings.max_message_bytes, body_timeout=settings.body_timeout,

@@ -22,9 +22,10 @@ from common.errors import ErrorCode
 from common.protocol import Result, StreamMeta
 from common.runtime import REDIS_ERRORS, service_id
 from gateway import metrics, openai_api
+from gateway.admission import Refused
 from gateway.batch_lines import Line, answered, read_lines, unanswered
 from gateway.batch_store import ENDED_TTL_SECONDS, BatchStore, Job
-from gateway.bus import Bus, Refused
+from gateway.bus import Bus
 from gateway.errors import ApiError
 from gateway.results import BROKEN
 from gateway.streams import ResultStream
@@ -77,7 +78,7 @@ class BatchRunner:
 
     def request_of(self, owner: str, url: str) -> Request:
         """A line runs through the route's own checks as a request of the key that made the job."""
-        state = {"tenant": owner} if owner and self.bus.keyed else {}
+        state = {"tenant": owner} if owner and self.bus.settings.api_key_list() else {}
         return Request({"type": "http", "app": self.app, "method": "POST", "path": url, "headers": [],
                         "query_string": b"", "state": state})
 
@@ -240,7 +241,7 @@ class JobRun:
 
     async def _follow(self, job: Job, line: Line, request_id: str) -> Outcome:
         """Read a line's stream that was admitted before (by this gateway or another), from its start."""
-        meta = await self.bus.stream_meta(request_id)
+        meta = await self.bus.ledger.stream_meta(request_id)
         if meta is None:
             return AGAIN
         stream = ResultStream(self.bus, meta.request_ids, meta, stop_on_error=True, tenant=meta.tenant,

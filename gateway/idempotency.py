@@ -73,7 +73,7 @@ async def claim(request: Request, submits: list[Submit]) -> Claim | Retry | None
     are not kept (RESUME_TTL=0), so nothing could be replayed: the request runs as any other."""
     key = requested_key(request)
     bus = bus_of(request)
-    if key is None or not bus.resumable:
+    if key is None or not bus.settings.resumable():
         return None
     body = hashlib.sha256(request.url.path.encode() + b"\0" + await request.body()).hexdigest()
     redis_key = bus.keys.idempotency(tenant_of(request) or "", hashlib.sha256(key.encode()).hexdigest())
@@ -114,7 +114,7 @@ async def _first_stream(request: Request, head: str) -> StreamMeta | None:
     bus = bus_of(request)
     deadline = asyncio.get_running_loop().time() + WAIT_FOR_FIRST_S
     while True:
-        meta = await bus.stream_meta(head)
+        meta = await bus.ledger.stream_meta(head)
         if meta is not None or asyncio.get_running_loop().time() > deadline:
             return meta
         await asyncio.sleep(POLL_S)

@@ -20,12 +20,12 @@ async def prometheus_metrics() -> Response:
 @router.get("/v1/cluster", summary="Live workers, queue depth and recent output tokens/s")
 async def cluster(request: Request) -> dict[str, object]:
     bus = bus_of(request)
-    workers = sorted(await bus.live_workers(), key=lambda w: w.worker_id)
+    workers = sorted(await bus.view.live_workers(), key=lambda w: w.worker_id)
     throughput = await bus.throughput.read()  # every gateway's, not only this one's
     return {
         "workers": [{"id": w.worker_id, "model": w.model, "names": w.serves(), "slots": w.slots,
                      "running": w.running, "waiting": w.waiting, "draining": w.draining} for w in workers],
-        "queue": await bus.queue_depth(),
+        "queue": await bus.view.queue_depth(),
         "tokens_per_s": throughput.rate(),
         "history": throughput.history(),
     }
@@ -33,7 +33,7 @@ async def cluster(request: Request) -> dict[str, object]:
 
 @router.get("/v1/requests/{request_id}/trace", summary="The ordered journey of one request across the services")
 async def trace(request_id: str, request: Request) -> dict[str, object]:
-    events = await bus_of(request).trace(request_id)
+    events = await bus_of(request).view.trace(request_id)
     if not events:
         raise ApiError(404, f"no trace for request '{request_id}' (unknown, or older than TRACE_TTL)",
                        "trace_not_found", "request_id")

@@ -29,7 +29,7 @@ async def served_models(bus: Bus) -> list[str]:
     """The names live workers answer to, and the configured ones (MODEL, MODELS: requests for them wait for a
     worker)."""
     configured = {bus.settings.model, *bus.settings.model_names()}
-    return sorted({name for w in await bus.live_workers() for name in w.serves()} | configured)
+    return sorted({name for w in await bus.view.live_workers() for name in w.serves()} | configured)
 
 
 @router.get("/models", summary="The models the live workers serve")
@@ -38,7 +38,7 @@ async def list_models(request: Request) -> dict[str, object]:
     what they run it on (their engines and weights paths)."""
     bus = bus_of(request)
     created = int(time.time())
-    live = await bus.live_workers()
+    live = await bus.view.live_workers()
     data = []
     for name in await served_models(bus):
         workers = serving(live, name)

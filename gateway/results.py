@@ -132,7 +132,7 @@ class ResultRouter:
             await asyncio.wait_for(self.connected.wait(), FIRST_CONNECT_SECONDS)
 
     def check(self) -> None:
-        """A single server's reachability is its ping's (gateway/bus.py)."""
+        """A single server's reachability is its ping's (the Bus's ping)."""
 
     async def stop(self) -> None:
         if self.pump:

@@ -32,7 +32,8 @@ async def _owned(request: Request, request_id: str) -> StreamMeta:
     for prefix in ANSWER_PREFIXES:
         request_id = request_id.removeprefix(prefix)
     bus = bus_of(request)
-    meta = await bus.stream_meta(request_id) if bus.resumable and 0 < len(request_id) <= MAX_ID else None
+    findable = bus.settings.resumable() and 0 < len(request_id) <= MAX_ID
+    meta = await bus.ledger.stream_meta(request_id) if findable else None
     if meta is None or (meta.keyed and meta.tenant != tenant_of(request)):
         raise ApiError.of(ErrorCode.STREAM_NOT_FOUND, f"no stream '{request_id}' to resume (unknown, another key's, "
                           "or older than RESUME_TTL)", "request_id")
@@ -61,7 +62,7 @@ async def resume(request: Request, request_id: str,
             await stream.let_go()
             return Response(status_code=204)
         await stream.hold()
-        await bus.stamp(stream.pending(), "resumed", last_event_id=format_id(positions))
+        await bus.ledger.stamp(stream.pending(), "resumed", last_event_id=format_id(positions))
     except BaseException:
         await stream.let_go()
         raise
@@ -76,5 +77,6 @@ async def cancel(request: Request, request_id: str) -> Response:
     meta = await _owned(request, request_id)
     bus = bus_of(request)
     error = Error(ErrorCode.CANCELLED, "the request was cancelled by its client")
-    await bus.cancel(meta.request_ids, meta.tenant, await bus.unfinished(meta.request_ids), [], error, logged=True)
+    pending = await bus.ledger.unfinished(meta.request_ids)
+    await bus.ledger.cancel(meta.request_ids, meta.tenant, pending, [], error, logged=True)
     return Response(status_code=204)

@@ -52,8 +52,8 @@ async def health(request: Request, model: str | None = Query(None, max_length=25
     bus = bus_of(request)
     try:
         await bus.ping()
-        workers = await bus.live_workers()
-        load = await bus.model_load(model) if model is not None else None
+        workers = await bus.view.live_workers()
+        load = await bus.view.model_load(model) if model is not None else None
     except (*REDIS_ERRORS, OSError):
         return JSONResponse({"status": "unavailable", "redis": False, "workers": 0}, status_code=503)
     if model is not None:

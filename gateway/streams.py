@@ -27,7 +27,8 @@ from common.errors import ErrorCode
 from common.protocol import Done, Error, ProtocolError, Result, StreamMeta, Submit, Token, decode
 from common.runtime import REDIS_ERRORS
 from gateway import metrics
-from gateway.bus import Bus, Refused
+from gateway.admission import Refused
+from gateway.bus import Bus
 from gateway.errors import ApiError, ClientGone
 from gateway.mailbox import Mailbox
 from gateway.results import BROKEN
@@ -70,7 +71,7 @@ class ResultStream:
         # A batch job's line, read by the gateway itself: no client's latency, nor its key's quota.
         self.background = background
         # A stream with a results log may be resumed; without one (whole answers) it is cancelled when left.
-        self.meta = meta if bus.resumable else None
+        self.meta = meta if bus.settings.resumable() else None
         self.tenant = meta.tenant if meta else tenant
         choices = len(request_ids)
         self.resumed = positions is not None
@@ -145,7 +146,7 @@ class ResultStream:
         metrics.ACTIVE.inc()
 
     async def admit(self, submits: list[Submit]) -> None:
-        await self.bus.admit(submits, self.meta)
+        await self.bus.admission.admit(submits, self.meta)
         if self.meta is not None and self.bus.leases.enabled:
             self.bus.leases.hold(self.request_ids)
             self.holding = True
@@ -153,7 +154,7 @@ class ResultStream:
     async def replay(self) -> None:
         """Take what the logs hold past the client's positions (subscribed first: what the logs miss arrives
         live). Raises ApiError 410 when a log no longer reaches back to where the client stands."""
-        logs = await self.bus.read_logs(self.request_ids)
+        logs = await self.bus.ledger.read_logs(self.request_ids)
         for choice, entries in enumerate(logs):
             results = [] if entries is None else self._decoded(choice, entries)
             # A log that is gone (its choice ended over RESUME_TTL ago) cannot be replayed exactly either.
@@ -289,9 +290,9 @@ class ResultStream:
         if self.all_ended and broken:
             await self._end(self._settle_broken(broken))
         elif self.all_ended:
-            await self._end(self.bus.finish(self.request_ids, self.tenant, self.delivered(), not self.resumed))
+            await self._end(self.bus.ledger.finish(self.request_ids, self.tenant, self.delivered(), not self.resumed))
         elif client_left and self.meta is not None and self.bus.leases.enabled:
-            await self._end(self.bus.detach(self.request_ids, self.pending(), self.delivered()))
+            await self._end(self.bus.ledger.detach(self.request_ids, self.pending(), self.delivered()))
         else:
             why = "its client left" if client_left else "the stream ended early (another choice failed)"
             await self.cancel(Error(ErrorCode.CANCELLED, f"the request was cancelled: {why}"))
@@ -303,12 +304,12 @@ class ResultStream:
         far as Redis can be reached again."""
         rids = [self.request_ids[choice] for choice in choices]
         if self.meta is not None:
-            await self.bus.record(rids, self.errors[choices[0]])
-        await self.bus.cancel(self.request_ids, self.tenant, rids, self.delivered(), None, logged=False)
+            await self.bus.ledger.record(rids, self.errors[choices[0]])
+        await self.bus.ledger.cancel(self.request_ids, self.tenant, rids, self.delivered(), None, logged=False)
 
     async def cancel(self, error: Error | None = None) -> None:
         """Cancel whatever has not ended now, with `error` in its logs."""
-        await self._end(self.bus.cancel(self.request_ids, self.tenant, self.pending(), self.delivered(), error,
+        await self._end(self.bus.ledger.cancel(self.request_ids, self.tenant, self.pending(), self.delivered(), error,
                                         logged=self.meta is not None))
 
     async def let_go(self) -> None:
@@ -334,7 +335,7 @@ class ResultStream:
                     await ending
             if self.spent:
                 with contextlib.suppress(*REDIS_ERRORS, OSError):
-                    await self.bus.spend(self.tenant, self.spent)
+                    await self.bus.ledger.spend(self.tenant, self.spent)
 
     def pending(self) -> list[str]:
         return [rid for rid, ended in zip(self.request_ids, self.ended, strict=True) if not ended]

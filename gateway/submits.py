@@ -36,12 +36,12 @@ async def submits_for(request: Request, body: SamplingFields, prompts: list[str 
     first request_id. They run on workers of `model` (by default MODEL, the gateway's own)."""
     bus = bus_of(request)
     model = model or bus.settings.model
-    check_engine_bounds(serving(await bus.live_workers(), model), body)
+    check_engine_bounds(serving(await bus.view.live_workers(), model), body)
     submits = [body.submit(prompt=p, messages=messages, seed_offset=i, logprobs=logprobs,
                            queue_timeout=bus.settings.queue_timeout, grammar=grammar, tools=tools)
                for p in prompts for i in range(choices)]
     tenant = tenant_of(request) or submits[0].request_id
-    floor = await bus.priority_floor(tenant) if tenant_of(request) else None
+    floor = await bus.view.priority_floor(tenant) if tenant_of(request) else None
     traceparent = Tracing.header(getattr(request.state, "span", None))
     for submit in submits:
         submit.tenant = tenant

@@ -44,7 +44,7 @@ class DetokenizeRequest(BaseModel):
 
 async def _ask(request: Request, model: str | None, job: Tokenize | Detokenize) -> Tokens:
     bus = bus_of(request)
-    live = [w for w in await bus.live_workers() if not w.draining]
+    live = [w for w in await bus.view.live_workers() if not w.draining]
     known = {name for w in live for name in w.serves()} | {bus.settings.model, *bus.settings.model_names()}
     if model is not None and model not in known:
         raise ApiError.of(ErrorCode.MODEL_NOT_FOUND, f"the model '{model}' does not exist", "model")

@@ -268,8 +268,7 @@ class Scheduler:
         if worker is not None and submit.model:
             worker.models = worker.models - {submit.model} or frozenset({""})
         if not submit.migrations:
-            pipe.incrby(self.keys.queued, 1)
-            pipe.incrby(self.keys.queued_bytes, len(payload))
+            self.outcomes.counts.count_in(pipe, 1, len(payload))
         self.streams.request(pipe, payload)
 
     def _publish_models(self) -> None:

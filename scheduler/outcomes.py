@@ -8,6 +8,7 @@ import logging
 
 import redis
 
+from common.counters import QueueCounts
 from common.errors import ErrorCode
 from common.journey import stamp
 from common.keys import DEAD_LETTER_MAXLEN, SCHEDULER_GROUP, Keys
@@ -23,6 +24,7 @@ log = logging.getLogger("scheduler")
 class Outcomes:
     def __init__(self, keys: Keys, settings: Settings) -> None:
         self.keys, self.settings, self.limit = keys, settings, settings.max_message_bytes
+        self.counts = QueueCounts(keys)
 
     def fail(self, pipe: redis.client.Pipeline, request_id: str, code: ErrorCode, message: str) -> None:
         """End a request the scheduler holds with an error to its client."""
@@ -49,8 +51,7 @@ class Outcomes:
         self.ack(pipe, self.keys.requests, [item.entry_id for item in items])
         admitted = [item for item in items if not item.submit.migrations]
         if admitted:
-            pipe.decrby(self.keys.queued, len(admitted))
-            pipe.decrby(self.keys.queued_bytes, sum(item.size for item in admitted))
+            self.counts.count_out(pipe, len(admitted), sum(item.size for item in admitted))
 
     def ack(self, pipe: redis.client.Pipeline, stream: str, entry_ids: list[bytes]) -> None:
         """Acknowledge and delete: a consumed entry keeps nothing in Redis."""
