@@ -8,9 +8,10 @@ dispatched, each worker's assignments sit in a hash, and the tokens delivered
 for each running request in a list. A lost worker's requests go back on the
 stream with those tokens, to continue on another worker.
 
-This module is the service's loop: the leader lease and taking over from a predecessor, consuming both streams,
-expiry and dispatch. The workers it sees and what happens to a lost one are scheduler/roster.py's; what it writes
-of a request's fate, scheduler/outcomes.py's; who runs next, scheduler/policy.py's."""
+This module is the service's loop: taking over from a predecessor, consuming both streams, expiry and dispatch.
+The leader lease and a predecessor's pending entries are scheduler/leadership.py's; the workers it sees and what
+happens to a lost one, scheduler/roster.py's; what it writes of a request's fate, scheduler/outcomes.py's; who
+runs next, scheduler/policy.py's."""
 
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ from collections import Counter
 
 import redis
 
-from common import scripts
 from common.clients import sync_client
 from common.errors import ErrorCode
 from common.keys import PAYLOAD, SCHEDULER_GROUP, WORKER_KEYS_TTL_SECONDS, Keys
@@ -34,6 +34,7 @@ from common.streams import StreamWriter
 from common.telemetry import serve_metrics, setup_logging
 from common.tracing import Tracing
 from scheduler import compat_metrics, metrics
+from scheduler.leadership import CONSUMER, Leadership
 from scheduler.outcomes import Outcomes
 from scheduler.policy import (
     BATCH_OVERHEAD,
@@ -51,8 +52,6 @@ from scheduler.roster import Roster
 
 log = logging.getLogger("scheduler")
 
-# One consumer name for every replica: a new leader reads its predecessor's pending entries.
-CONSUMER = "scheduler"
 
 class Scheduler:
     def __init__(self, settings: Settings) -> None:
@@ -64,8 +63,8 @@ class Scheduler:
         self.streams = StreamWriter(self.keys, self.limit)
         self.id = service_id()
         self.stopping = False
-        self.first_take_over = True
         self.outcomes = Outcomes(self.keys, settings)
+        self.leadership = Leadership(self.redis, self.keys, settings, self.outcomes, self.id)
         self._reset()
 
     def _reset(self) -> None:
@@ -85,7 +84,7 @@ class Scheduler:
         backoff = Backoff()
         while not self.stopping:
             try:
-                if self._hold_lease():
+                if self.leadership.hold():
                     if not self.leading:
                         self._take_over()
                     self._tick()
@@ -104,59 +103,20 @@ class Scheduler:
                 self._reset()
                 time.sleep(delay)
         if self.leading:
-            # A successor need not count the entries we held as having crashed us.
             with contextlib.suppress(*REDIS_ERRORS):
-                self.redis.set(self.keys.clean_exit, self.id, px=int(self.settings.worker_ttl * 10_000))
-
-    def _hold_lease(self) -> bool:
-        ttl_ms = int(self.settings.worker_ttl * 1000)
-        return bool(self.redis.eval(scripts.LEADER_LEASE, 1, self.keys.lease, self.id, ttl_ms))
+                self.leadership.leave_clean()
 
     def _take_over(self) -> None:
         self._reset()
-        for stream in (self.keys.requests, self.keys.events):
-            try:
-                self.redis.xgroup_create(stream, SCHEDULER_GROUP, id="0", mkstream=True)
-            except redis.ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
-        pending = {p["message_id"]: p["times_delivered"]
-                   for p in self.redis.xpending_range(self.keys.requests, SCHEDULER_GROUP, "-", "+", 1 << 20)}
-        # A leader that died without a signal may have died of an entry it held: each such take-over counts
-        # one delivery against every pending entry (a re-read below counts one more, which we take back).
-        blame = int(self.first_take_over and not self.redis.getdel(self.keys.clean_exit))
-        self.first_take_over = False
-        poisoned = [entry for entry, count in pending.items() if blame and count >= self.settings.poison_limit]
-        self._set_aside(poisoned)
+        claims = self.leadership.settle_pending()
         # Entries read by an earlier scheduler but never dispatched (or accounted) are still pending.
         cursors = {self.keys.requests: "0", self.keys.events: "0"}
         while cursors:
             replies = self._consume(cursors, block_ms=None)
             cursors = {stream.decode(): entries[-1][0] for stream, entries in replies if entries}
-        counts: dict[int, list[bytes]] = {}
-        for entry, count in pending.items():
-            if entry not in poisoned:
-                counts.setdefault(count + blame, []).append(entry)
-        for count, entries in counts.items():
-            self.redis.xclaim(self.keys.requests, SCHEDULER_GROUP, CONSUMER, 0, entries, retrycount=count,
-                              justid=True)
+        self.leadership.claim(claims)
         self.leading = True
         log.info("scheduler leading", extra={"scheduler": self.id, "recovered": len(self.queue)})
-
-    def _set_aside(self, poisoned: list[bytes]) -> None:
-        """Request entries pending through POISON_LIMIT leaders that died are taken as what killed them:
-        each goes to the dead letters with an error to its client, instead of into the next leader."""
-        pipe = self.redis.pipeline(transaction=False)
-        for entry_id in poisoned:
-            found = self.redis.xrange(self.keys.requests, entry_id, entry_id)
-            payload = found[0][1].get(PAYLOAD) if found else None
-            message = decode_or_drop(payload, RequestMessage, self.limit, log, "a poisoned entry", entry=entry_id)
-            if isinstance(message, Submit):
-                self.outcomes.dead_letter(pipe, message, "it was pending when the scheduler died, repeatedly")
-                self.outcomes.leave_queue(pipe, [Queued(message, entry_id, len(payload))])
-            else:
-                self.outcomes.ack(pipe, self.keys.requests, [entry_id])
-        pipe.execute()
 
     def _tick(self) -> None:
         self._consume({self.keys.requests: ">", self.keys.events: ">"},
