@@ -4,12 +4,16 @@ second."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 from redis.asyncio import Redis
 
 from common.keys import Keys
 from common.protocol import Heartbeat, ModelLoad, ProtocolError, TraceEvent, decode
+from common.runtime import parse_heartbeats
+
+log = logging.getLogger("gateway")
 
 CACHE_SECONDS = 1.0
 FLOORS_CACHED = 10_000  # keys whose priority floor is remembered at once
@@ -56,14 +60,8 @@ class ClusterView:
         fetched_at, workers = self._workers
         if time.monotonic() - fetched_at < CACHE_SECONDS:
             return workers
-        ids = await self.redis.smembers(self.keys.workers)
-        beats = await self.redis.mget([self.keys.heartbeat(i.decode()) for i in ids]) if ids else []
-        workers = []
-        for raw in beats:
-            if raw is not None:
-                try:
-                    workers.append(decode(raw, Heartbeat, self.limit))
-                except ProtocolError:
-                    continue
+        ids = [i.decode() for i in await self.redis.smembers(self.keys.workers)]
+        raws = await self.redis.mget([self.keys.heartbeat(i) for i in ids]) if ids else []
+        workers = [beat for beat in parse_heartbeats(ids, raws, self.limit, log).values() if beat is not None]
         self._workers = (time.monotonic(), workers)
         return workers
