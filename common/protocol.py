@@ -69,12 +69,14 @@ class Tool(msgspec.Struct, frozen=True):
 
 
 class Submit(msgspec.Struct, tag="submit"):
-    """A request as the gateway accepted it: a raw prompt or chat messages."""
+    """A request as the gateway accepted it: a raw prompt (text or token ids) or chat messages."""
 
     request_id: str
     params: SamplingParams
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    # A prompt the client gave as token ids (/v1/completions), used as they are, in place of `prompt`.
+    prompt_token_ids: list[int] | None = None
     # Functions the chat template (or common/toolcalls.py's prompt, for a template without tools) offers.
     tools: list[Tool] = msgspec.field(default_factory=list)
     submitted_at: float = 0.0

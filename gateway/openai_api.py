@@ -49,7 +49,7 @@ async def list_models(request: Request) -> dict[str, object]:
     return {"object": "list", "data": data}
 
 
-async def _prepare(request: Request, body: OpenAIFields, prompts: list[str | None], logprobs: int | None,
+async def _prepare(request: Request, body: OpenAIFields, prompts: list[str | list[int] | None], logprobs: int | None,
                    chat: ChatCompletionRequest | None = None) -> list[Submit]:
     models = await served_models(bus_of(request))
     if body.model not in models:

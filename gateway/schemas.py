@@ -7,7 +7,7 @@ import json
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from common.errors import ErrorCode
 from common.protocol import ChatMessage, SamplingParams, Submit, Tool, ToolCall, now
@@ -38,6 +38,9 @@ def _encodable(value: str) -> str:
 
 # Every string a client sends is this type.
 Text = Annotated[str, AfterValidator(_encodable)]
+# A prompt given as token ids, as OpenAI's and vLLM's /v1/completions take it (the vocabulary bounds it later).
+MAX_TOKEN_ID = 2**31 - 1
+TokenIds = list[Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_ID)]]
 
 
 class SamplingFields(BaseModel):
@@ -106,12 +109,14 @@ class SamplingFields(BaseModel):
             frequency_penalty=self.frequency_penalty, logprobs=logprobs, logit_bias=self.token_biases(),
             grammar=grammar)
 
-    def submit(self, prompt: str | None = None, messages: list[ChatMessage] | None = None, seed_offset: int = 0,
-               logprobs: int | None = None, queue_timeout: float = 0.0, grammar: str = "",
+    def submit(self, prompt: str | list[int] | None = None, messages: list[ChatMessage] | None = None,
+               seed_offset: int = 0, logprobs: int | None = None, queue_timeout: float = 0.0, grammar: str = "",
                tools: list[Tool] | None = None) -> Submit:
         submitted = now()
         wait = self.timeout or queue_timeout
-        return Submit(new_request_id(), self.sampling(seed_offset, logprobs, grammar), prompt=prompt,
+        ids = prompt if isinstance(prompt, list) else None
+        return Submit(new_request_id(), self.sampling(seed_offset, logprobs, grammar),
+                      prompt=None if ids is not None else prompt, prompt_token_ids=ids,
                       messages=messages, tools=tools or [], submitted_at=submitted,
                       deadline=submitted + wait if wait else 0.0, priority=self.priority)
 
@@ -209,23 +214,46 @@ class OpenAIFields(SamplingFields):
 
 
 class CompletionRequest(OpenAIFields):
-    prompt: Text | list[Text] = Field(..., description="A prompt or a list of prompts.")
+    prompt: Text | list[Text] | TokenIds | list[TokenIds] = Field(
+        ..., description="A prompt or a list of prompts, each as text or as token ids.")
     max_tokens: int = Field(16, ge=1, le=MAX_TOKENS, description="Most tokens to generate; at most the model's "
                             "context.")
     logprobs: int | None = Field(None, ge=0, le=5, description="Log-probabilities of the chosen and top tokens.")
     echo: Literal[False] = Field(False, description="Echoing the prompt is not supported.")
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_shape(cls, value: object) -> object:
+        """Say in one message what is wrong with a prompt, not once for each shape it might have had."""
+        if isinstance(value, str) or (isinstance(value, list) and all(isinstance(x, str) for x in value)):
+            return value
+        if not isinstance(value, list):
+            raise ValueError("'prompt' must be a string, a list of strings, a list of token ids or a list of those")
+        if all(isinstance(x, list) for x in value):
+            lists = value
+        elif not any(isinstance(x, list | str) for x in value):
+            lists = [value]
+        else:
+            raise ValueError("'prompt' mixes kinds: give strings, or token ids, or lists of token ids")
+        for ids in lists:
+            wrong = next((t for t in ids if type(t) is not int or not 0 <= t <= MAX_TOKEN_ID), None)
+            if wrong is not None:
+                raise ValueError(f"token ids must be integers from 0 to {MAX_TOKEN_ID}; got {wrong!r}")
+        return value
+
     @model_validator(mode="after")
     def _prompts_not_empty(self) -> CompletionRequest:
         prompts = self.prompt_list()
         if not prompts or not all(prompts):
-            raise ValueError("'prompt' must be a non-empty string or a non-empty list of them")
+            raise ValueError("'prompt' must be a non-empty string or list of token ids, or a non-empty list of them")
         if len(prompts) * self.n > MAX_PROMPTS:
             raise ValueError(f"at most {MAX_PROMPTS} prompts times 'n' per request")
         return self
 
-    def prompt_list(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else self.prompt
+    def prompt_list(self) -> list[str] | list[list[int]]:
+        """Each prompt, as text or as token ids."""
+        one = isinstance(self.prompt, str) or (bool(self.prompt) and isinstance(self.prompt[0], int))
+        return [self.prompt] if one else self.prompt  # type: ignore[return-value]
 
 
 class ContentPart(BaseModel):

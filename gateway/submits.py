@@ -28,7 +28,7 @@ def tenant_of(request: Request) -> str | None:
     return getattr(request.state, "tenant", None)
 
 
-async def submits_for(request: Request, body: SamplingFields, prompts: list[str | None], choices: int = 1,
+async def submits_for(request: Request, body: SamplingFields, prompts: list[str | list[int] | None], choices: int = 1,
                       messages: list[ChatMessage] | None = None, logprobs: int | None = None, grammar: str = "",
                       tools: list[Tool] | None = None, model: str | None = None) -> list[Submit]:
     """One Submit per prompt and choice, each with its own request_id (choice i samples with seed + i),
@@ -36,7 +36,9 @@ async def submits_for(request: Request, body: SamplingFields, prompts: list[str 
     first request_id. They run on workers of `model` (by default MODEL, the gateway's own)."""
     bus = bus_of(request)
     model = model or bus.settings.model
-    check_engine_bounds(serving(await bus.view.live_workers(), model), body)
+    workers = serving(await bus.view.live_workers(), model)
+    check_engine_bounds(workers, body)
+    check_token_ids(workers, prompts)
     submits = [body.submit(prompt=p, messages=messages, seed_offset=i, logprobs=logprobs,
                            queue_timeout=bus.settings.queue_timeout, grammar=grammar, tools=tools)
                for p in prompts for i in range(choices)]
@@ -74,10 +76,9 @@ def check_engine_bounds(workers: list[Heartbeat], body: SamplingFields) -> None:
     if body.max_tokens is not None and contexts and body.max_tokens >= min(contexts):
         raise ApiError.of(ErrorCode.INVALID_VALUE, f"max_tokens is {body.max_tokens}; the model's context is "
                           f"{min(contexts)} tokens, prompt and completion together", "max_tokens")
-    vocabularies = [w.vocab for w in workers if w.vocab > 0]
-    if not vocabularies:
+    vocab = known_vocab(workers)
+    if vocab is None:
         return
-    vocab = min(vocabularies)
     if body.top_k > vocab:
         raise ApiError.of(ErrorCode.INVALID_VALUE, f"top_k is {body.top_k}; the model's vocabulary has "
                           f"{vocab} tokens", "top_k")
@@ -85,3 +86,17 @@ def check_engine_bounds(workers: list[Heartbeat], body: SamplingFields) -> None:
     if outside:
         raise ApiError.of(ErrorCode.INVALID_VALUE, f"logit_bias names token {outside[0]}; the model's vocabulary "
                           f"has {vocab} tokens", "logit_bias")
+
+
+def known_vocab(workers: list[Heartbeat]) -> int | None:
+    """The smallest vocabulary the workers tell (None: none tells it)."""
+    return min((w.vocab for w in workers if w.vocab > 0), default=None)
+
+
+def check_token_ids(workers: list[Heartbeat], prompts: list[str | list[int] | None]) -> None:
+    """A prompt given as token ids names only tokens of the model's vocabulary."""
+    vocab = known_vocab(workers)
+    outside = next((t for p in prompts if isinstance(p, list) for t in p if vocab is not None and t >= vocab), None)
+    if outside is not None:
+        raise ApiError.of(ErrorCode.INVALID_VALUE, f"the prompt names token {outside}; the model's vocabulary has "
+                          f"{vocab} tokens", "prompt")

@@ -38,6 +38,23 @@ def test_completion_whole_and_streamed_agree(client: openai.OpenAI) -> None:
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+def test_a_prompt_of_token_ids_runs_as_the_text_they_spell(stack: RunningStack, client: openai.OpenAI) -> None:
+    """OpenAI's and vLLM's /v1/completions take a prompt as token ids (what lm-eval-harness sends), or a list of
+    such prompts: the ids /tokenize gives for a text answer as that text does."""
+    text = "The capital of France is"
+    with stack.client() as http:
+        ids = http.post("/tokenize", json={"model": MODEL, "prompt": text}).json()["tokens"]
+    by_text = client.completions.create(model=MODEL, prompt=text, max_tokens=8, **GREEDY)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, **GREEDY)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert by_ids.usage.prompt_tokens == by_text.usage.prompt_tokens == len(ids)
+    both = client.completions.create(model=MODEL, prompt=[ids, ids[:2]], max_tokens=4, **GREEDY)
+    assert [c.index for c in both.choices] == [0, 1] and both.usage.prompt_tokens == len(ids) + 2
+    assert by_text.choices[0].text.startswith(both.choices[0].text)
+    streamed = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, stream=True, **GREEDY)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == by_text.choices[0].text
+
+
 def test_chat_uses_the_template_and_streams(client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
     whole = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=30)
@@ -112,7 +129,12 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL}, 400, "missing"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "value_error"),
     ("/v1/completions", {"model": MODEL, "prompt": ["a", ""]}, 400, "value_error"),
-    ("/v1/completions", {"model": MODEL, "prompt": 12}, 400, None),
+    ("/v1/completions", {"model": MODEL, "prompt": 12}, 400, "value_error"),
+    ("/v1/completions", {"model": MODEL, "prompt": [[]]}, 400, "value_error"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, "a"]}, 400, "value_error"),
+    ("/v1/completions", {"model": MODEL, "prompt": [[1], [-1]]}, 400, "value_error"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1.5]}, 400, "value_error"),
+    ("/v1/completions", {"model": MODEL, "prompt": [49152]}, 400, "invalid_value"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "many"}, 400, "int_parsing"),
     ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "model_not_found"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "greater_than_equal"),

@@ -9,12 +9,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 import redis
 
 from common.keys import Keys
 from common.protocol import Heartbeat, SamplingParams, Submit, decode
 from tests.conftest import sim_stack, trace, wait_for
 from tests.sse import events
+from worker.core import PromptInvalid
 from worker.sim import VOCAB, SimEngine, SimModel, sim_token
 
 
@@ -32,6 +34,13 @@ def test_the_sim_engine_batches_and_is_batch_invariant() -> None:
             texts[out.request_id] = texts.get(out.request_id, "") + out.text
     assert texts["c"] == "".join(VOCAB[sim_token(1 + i)] for i in range(3))
     assert engine.cancel("zzz") is False
+
+
+def test_a_prompt_of_token_ids_is_taken_as_it_is_within_the_vocabulary() -> None:
+    model = SimModel()
+    assert model.prompt_ids(Submit("r", SamplingParams(), prompt_token_ids=[3, 1, 4])) == [3, 1, 4]
+    with pytest.raises(PromptInvalid, match=f"names token {len(VOCAB)};"):
+        model.prompt_ids(Submit("r", SamplingParams(), prompt_token_ids=[1, len(VOCAB)]))
 
 
 def test_many_streams_over_four_sim_workers() -> None:

@@ -20,6 +20,18 @@ class PromptTooLong(ValueError):
     pass
 
 
+class PromptInvalid(ValueError):
+    """A prompt the model cannot read: token ids outside its vocabulary."""
+
+
+def checked_ids(ids: list[int], vocab: int) -> list[int]:
+    """A prompt's token ids, each a token of the model's vocabulary of `vocab`."""
+    outside = next((t for t in ids if not 0 <= t < vocab), None)
+    if outside is not None:
+        raise PromptInvalid(f"the prompt names token {outside}; the model's vocabulary has {vocab} tokens")
+    return list(ids)
+
+
 @dataclass
 class StepOutput:
     """Token `index` of request `request_id`: its id, the text it adds (less any held back for a possible

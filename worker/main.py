@@ -40,7 +40,7 @@ from common.streams import StreamWriter
 from common.telemetry import serve_metrics, setup_logging
 from common.tracing import Tracing
 from worker import compat_metrics, engines, metrics
-from worker.core import Engine, GrammarError, Model, PromptTooLong, StepOutput, StepResult
+from worker.core import Engine, GrammarError, Model, PromptInvalid, PromptTooLong, StepOutput, StepResult
 from worker.heartbeat import Heartbeats
 from worker.timing import Timing
 
@@ -229,6 +229,8 @@ class Worker:
                 self._start(submit)
             except PromptTooLong as exc:
                 self._fail(submit.request_id, ErrorCode.CONTEXT_LENGTH_EXCEEDED, str(exc))
+            except PromptInvalid as exc:
+                self._fail(submit.request_id, ErrorCode.INVALID_VALUE, str(exc))
             except GrammarError as exc:
                 self._fail(submit.request_id, ErrorCode.INVALID_VALUE, str(exc))
             except Exception as exc:

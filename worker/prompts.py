@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 from common import toolcalls
 from common.protocol import Detokenize, Submit, Tokenize, Tokens
 from common.settings import DEFAULT_MODEL, Settings
+from worker.core import checked_ids
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -31,7 +32,10 @@ class Prompts:
 
     def prompt_ids(self, submit: Submit) -> list[int]:
         """Chat-shaped requests get the model's chat template (told of the request's tools: by the template
-        where it takes them, else in common/toolcalls.py's words); raw prompts are used as given."""
+        where it takes them, else in common/toolcalls.py's words); raw prompts are used as given, and token ids
+        as they are."""
+        if submit.prompt_token_ids is not None:
+            return checked_ids(submit.prompt_token_ids, self.vocab)
         if submit.messages is not None and self.tokenizer.chat_template:
             if self.template_takes_tools:
                 tools = [toolcalls.tool_json(t) for t in submit.tools] or None

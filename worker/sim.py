@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from common.protocol import ChatMessage, Detokenize, SamplingParams, Submit, Tokenize, Tokens
-from worker.core import PromptTooLong, StepOutput, StepResult
+from worker.core import PromptTooLong, StepOutput, StepResult, checked_ids
 
 VOCAB = (
     " the", " of", " and", " to", " in", " is", " that", " it", " was", " for", " on", " are", " as", " with",
@@ -35,6 +35,8 @@ class SimModel:
     vocab: int = len(VOCAB)
 
     def prompt_ids(self, submit: Submit) -> list[int]:
+        if submit.prompt_token_ids is not None:
+            return checked_ids(submit.prompt_token_ids, self.vocab)
         return self._ids(submit.prompt, submit.messages)
 
     def answer(self, job: Tokenize | Detokenize) -> Tokens:
