@@ -100,7 +100,8 @@ def test_a_request_no_batch_can_carry_fails_alone(r: redis.Redis, redis_url: str
     s._take_over()
     worker_beat(r, keys, "w1")
     listener = Listener(r, keys, "big", "small")
-    submit(r, keys, "big", prompt_bytes=LIMIT - BATCH_OVERHEAD - 100)  # fits the stream, not a batch
+    fields = len(encode(Submit("big", SamplingParams(), prompt=""), LIMIT))  # a Submit's bytes but its prompt's
+    submit(r, keys, "big", prompt_bytes=LIMIT - fields - BATCH_OVERHEAD // 2)  # fits the stream, not a batch
     submit(r, keys, "small")
     s._tick()
     [error] = listener.results()
