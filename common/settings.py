@@ -326,9 +326,13 @@ class Settings:
         """The keys API_KEYS names; none: every request is its own tenant, with no key limits or quotas."""
         return _names(self.api_keys)
 
+    def keyed(self) -> bool:
+        """Whether API keys are on."""
+        return bool(self.api_key_list())
+
     def key_limit(self) -> int:
         """KEY_MAX_REQUESTS where API keys are on, else 0 (no limit)."""
-        return self.key_max_requests if self.api_key_list() else 0
+        return self.key_max_requests if self.keyed() else 0
 
     def resumable(self) -> bool:
         """Whether streams keep a results log in Redis, to be resumed (RESUME_TTL above 0)."""

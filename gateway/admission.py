@@ -38,7 +38,7 @@ class Admission:
     def __init__(self, redis: Redis, keys: Keys, settings: Settings, leases: Leases, cluster: bool) -> None:
         self.redis, self.keys, self.settings, self.leases = redis, keys, settings, leases
         self.limit, self.cluster = settings.max_message_bytes, cluster
-        self.keyed, self.key_limit = bool(settings.api_key_list()), settings.key_limit()
+        self.keyed, self.key_limit = settings.keyed(), settings.key_limit()
 
     async def admit(self, submits: list[Submit], meta: StreamMeta | None = None) -> None:
         """Count the requests in and publish them (or raise Refused); with `meta`, a stream that may be

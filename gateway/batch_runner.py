@@ -78,7 +78,7 @@ class BatchRunner:
 
     def request_of(self, owner: str, url: str) -> Request:
         """A line runs through the route's own checks as a request of the key that made the job."""
-        state = {"tenant": owner} if owner and self.bus.settings.api_key_list() else {}
+        state = {"tenant": owner} if owner and self.bus.settings.keyed() else {}
         return Request({"type": "http", "app": self.app, "method": "POST", "path": url, "headers": [],
                         "query_string": b"", "state": state})
 

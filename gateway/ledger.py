@@ -30,7 +30,7 @@ class Ledger:
     def __init__(self, redis: Redis, keys: Keys, settings: Settings, leases: Leases) -> None:
         self.redis, self.keys, self.settings, self.leases = redis, keys, settings, leases
         self.limit, self.key_limit = settings.max_message_bytes, settings.key_limit()
-        self.keyed = bool(settings.api_key_list())
+        self.keyed = settings.keyed()
         self.streams = StreamWriter(keys, self.limit)
 
     async def stream_meta(self, head: str) -> StreamMeta | None:

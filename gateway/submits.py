@@ -36,9 +36,7 @@ async def submits_for(request: Request, body: SamplingFields, prompts: list[str 
     first request_id. They run on workers of `model` (by default MODEL, the gateway's own)."""
     bus = bus_of(request)
     model = model or bus.settings.model
-    workers = serving(await bus.view.live_workers(), model)
-    check_engine_bounds(workers, body)
-    check_token_ids(workers, prompts)
+    check_engine_bounds(serving(await bus.view.live_workers(), model), body, prompts)
     submits = [body.submit(prompt=p, messages=messages, seed_offset=i, logprobs=logprobs,
                            queue_timeout=bus.settings.queue_timeout, grammar=grammar, tools=tools)
                for p in prompts for i in range(choices)]
@@ -68,15 +66,17 @@ def stream_meta(request: Request, submits: list[Submit], api: str, model: str = 
                       tool_calls=bool(submits[0].tools))
 
 
-def check_engine_bounds(workers: list[Heartbeat], body: SamplingFields) -> None:
-    """The bounds only the live workers know: their context and their vocabulary (a worker that does
-    not tell its vocabulary clamps top_k itself), and what their engines cannot do."""
+def check_engine_bounds(workers: list[Heartbeat], body: SamplingFields,
+                        prompts: list[str | list[int] | None] = ()) -> None:
+    """The bounds only the live workers know: their context and their vocabulary (top_k, logit_bias and prompts
+    of token ids; a worker that does not tell its vocabulary checks them itself), and what their engines cannot
+    do."""
     refuse_unsupported({w.engine for w in workers}, body)
     contexts = [w.context for w in workers]
     if body.max_tokens is not None and contexts and body.max_tokens >= min(contexts):
         raise ApiError.of(ErrorCode.INVALID_VALUE, f"max_tokens is {body.max_tokens}; the model's context is "
                           f"{min(contexts)} tokens, prompt and completion together", "max_tokens")
-    vocab = known_vocab(workers)
+    vocab = min((w.vocab for w in workers if w.vocab > 0), default=None)
     if vocab is None:
         return
     if body.top_k > vocab:
@@ -86,17 +86,8 @@ def check_engine_bounds(workers: list[Heartbeat], body: SamplingFields) -> None:
     if outside:
         raise ApiError.of(ErrorCode.INVALID_VALUE, f"logit_bias names token {outside[0]}; the model's vocabulary "
                           f"has {vocab} tokens", "logit_bias")
+    outside = [token for prompt in prompts if isinstance(prompt, list) for token in prompt if token >= vocab]
+    if outside:
+        raise ApiError.of(ErrorCode.INVALID_VALUE, f"the prompt names token {outside[0]}; the model's vocabulary "
+                          f"has {vocab} tokens", "prompt")
 
-
-def known_vocab(workers: list[Heartbeat]) -> int | None:
-    """The smallest vocabulary the workers tell (None: none tells it)."""
-    return min((w.vocab for w in workers if w.vocab > 0), default=None)
-
-
-def check_token_ids(workers: list[Heartbeat], prompts: list[str | list[int] | None]) -> None:
-    """A prompt given as token ids names only tokens of the model's vocabulary."""
-    vocab = known_vocab(workers)
-    outside = next((t for p in prompts if isinstance(p, list) for t in p if vocab is not None and t >= vocab), None)
-    if outside is not None:
-        raise ApiError.of(ErrorCode.INVALID_VALUE, f"the prompt names token {outside}; the model's vocabulary has "
-                          f"{vocab} tokens", "prompt")

@@ -25,6 +25,7 @@ from collections import Counter
 import redis
 
 from common.clients import sync_client
+from common.counters import QueueCounts
 from common.errors import ErrorCode
 from common.keys import PAYLOAD, SCHEDULER_GROUP, WORKER_KEYS_TTL_SECONDS, Keys
 from common.protocol import Batch, Cancel, Finished, Handoff, RequestMessage, Returned, Submit, WorkerEvent, encode, now
@@ -64,6 +65,7 @@ class Scheduler:
         self.id = service_id()
         self.stopping = False
         self.outcomes = Outcomes(self.keys, settings)
+        self.counts = QueueCounts(self.keys)
         self.leadership = Leadership(self.redis, self.keys, settings, self.outcomes, self.id)
         self._reset()
 
@@ -228,7 +230,7 @@ class Scheduler:
         if worker is not None and submit.model:
             worker.models = worker.models - {submit.model} or frozenset({""})
         if not submit.migrations:
-            self.outcomes.counts.count_in(pipe, 1, len(payload))
+            self.counts.count_in(pipe, 1, len(payload))
         self.streams.request(pipe, payload)
 
     def _publish_models(self) -> None:
