@@ -14,6 +14,7 @@ import contextlib
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -40,6 +41,12 @@ MAX_RUNS = 3  # a line cancelled by someone else this often is failed, not run a
 Answer = tuple[dict[str, Any], bool]  # a line's answer, and whether it goes to the output file (else errors)
 AGAIN, CANCELLED = "again", "cancelled"  # a line to run anew; one whose stream someone else cancelled
 Outcome = Answer | str
+
+
+@dataclass
+class Refusal:
+    """A line refused before it ran: its answer."""
+    answer: Answer
 
 
 class BatchRunner:
@@ -92,8 +99,9 @@ class JobRun:
         self.tasks: list[asyncio.Task[None]] = []
         self.ending: str | None = None  # "cancelled" or "expired", once decided
         self.lost = False
-        # The scheduler starts lines by their submitted_at: stamped one at a time, they start in the file's order.
-        self.stamping = asyncio.Lock()
+        # One line starts at a time (stamped, followed, admitted), so the scheduler reads and starts them in the
+        # file's order: lines admitted side by side could reach it in any order and start out of it.
+        self.starting = asyncio.Lock()
 
     async def run(self) -> None:
         try:
@@ -210,12 +218,20 @@ class JobRun:
 
     async def _submit(self, job: Job, line: Line) -> tuple[str | None, Outcome]:
         """Run the line anew: its request_id, and how it went. While the queue is full, wait for room."""
+        async with self.starting:
+            head, started = await self._start(job, line)
+        if isinstance(started, Refusal):
+            return head, started.answer
+        return head, await self._collect(job, line, *started)
+
+    async def _start(self, job: Job, line: Line) -> tuple[str | None, tuple[ResultStream, StreamMeta] | Refusal]:
+        """Stamp the line's request, follow its stream and admit it: the stream open before the scheduler can
+        answer, the answer when the line is refused."""
         request = self.runner.request_of(job.owner, line.url)
         try:
-            async with self.stamping:
-                submits = await openai_api.submits_of(request, line.body)
+            submits = await openai_api.submits_of(request, line.body)
         except ApiError as error:
-            return None, (answered(line, f"{job.id}-{line.number}", error.status, error.body()), False)
+            return None, Refusal((answered(line, f"{job.id}-{line.number}", error.status, error.body()), False))
         for submit in submits:
             submit.background, submit.deadline = True, float(job.expires_at)
         meta = openai_api.answer_meta(request, line.body, submits)
@@ -227,17 +243,16 @@ class JobRun:
             try:
                 await stream.open()
                 await stream.admit(submits)
-                break
+                return head, (stream, meta)
             except Refused as refused:
                 await stream.let_go()
                 if refused.code is not ErrorCode.QUEUE_FULL:
                     body = ApiError.of(refused.code, refused.message, refused.param).body()
-                    return head, (answered(line, head, refused.code.status, body), False)
+                    return head, Refusal((answered(line, head, refused.code.status, body), False))
                 await asyncio.sleep(RETRY_SECONDS)
             except BaseException:
                 await stream.let_go()
                 raise
-        return head, await self._collect(job, line, stream, meta)
 
     async def _follow(self, job: Job, line: Line, request_id: str) -> Outcome:
         """Read a line's stream that was admitted before (by this gateway or another), from its start."""
