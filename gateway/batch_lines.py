@@ -12,8 +12,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from common.errors import ErrorCode
+from gateway.chat_schemas import ChatCompletionRequest
 from gateway.errors import ApiError, invalid
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.schemas import CompletionRequest
 
 ENDPOINTS: dict[str, type[CompletionRequest] | type[ChatCompletionRequest]] = {
     "/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}

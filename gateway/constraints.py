@@ -14,9 +14,10 @@ from common import grammar
 from common.errors import ErrorCode
 from common.grammar import GrammarError
 from common.protocol import Tool
+from gateway.chat_schemas import ChatCompletionRequest, NamedToolChoice
 from gateway.errors import ApiError
 from gateway.grammar_check import GrammarChecker, source, tools_source
-from gateway.schemas import ChatCompletionRequest, NamedToolChoice, OpenAIFields
+from gateway.schemas import OpenAIFields
 
 
 @dataclass

@@ -15,10 +15,11 @@ from common.errors import ErrorCode
 from common.protocol import Result, StreamMeta, Submit, Token
 from gateway import idempotency, metrics
 from gateway.bus import Bus
+from gateway.chat_schemas import ChatCompletionRequest
 from gateway.constraints import constraint_of
 from gateway.errors import ApiError
 from gateway.formats import EventResponse, Shape, chunk_events, usage
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, OpenAIFields
+from gateway.schemas import CompletionRequest, OpenAIFields
 from gateway.streams import gather, start
 from gateway.submits import bus_of, serving, stream_meta, submits_for
 

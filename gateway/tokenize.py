@@ -12,8 +12,9 @@ from pydantic import BaseModel, Field
 
 from common.errors import ErrorCode
 from common.protocol import Detokenize, Error, ProtocolError, Reply, Tokenize, Tokens
+from gateway.chat_schemas import ChatRequestMessage, ToolDefinition
 from gateway.errors import ApiError
-from gateway.schemas import MAX_TOKENS, ChatRequestMessage, Text, ToolDefinition, new_request_id
+from gateway.schemas import MAX_TOKENS, Text, new_request_id
 from gateway.submits import bus_of, serving
 
 router = APIRouter()

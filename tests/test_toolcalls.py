@@ -15,10 +15,11 @@ from llguidance.hf import from_tokenizer
 
 from common import grammar, toolcalls
 from common.protocol import ChatMessage, Tool, ToolCall
+from gateway.chat_schemas import ChatCompletionRequest
 from gateway.constraints import constraint_of
 from gateway.errors import ApiError
 from gateway.grammar_check import GrammarChecker
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.schemas import CompletionRequest
 
 WEATHER = Tool("get_weather", "The weather of a city", json.dumps(
     {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
