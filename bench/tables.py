@@ -468,7 +468,7 @@ def batch_lane(d: dict) -> tuple[str, Table]:
     if d.get("other_runs"):
         ratios = ", ".join(f"{ratio(r['ttft_ratio'])} / {ratio(r['batch_time_ratio'])} ({r['label']})"
                            for r in d["other_runs"])
-        head += f"; other runs on that host, TTFT / job: {ratios}"
+        head += f"; other runs, TTFT / job: {ratios}"
     table = [["phase", "interactive TTFT p50", "interactive time per token p50", "job time"],
              ["interactive alone", ms(alone["ttft_p50_s"]), ms(alone["itl_p50_s"]), "-"],
              ["the job alone", "-", "-", num(d["batch_alone"]["seconds"], " s")],
