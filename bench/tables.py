@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -465,6 +466,11 @@ def batch_lane(d: dict) -> tuple[str, Table]:
     head = (f"a {d['lines']}-line batch job beside {d['streams']} interactive streams: TTFT p50 "
             f"{ratio(d['ttft_ratio'])} of the streams alone, the job {ratio(d['batch_time_ratio'])} the time the "
             "free slots allow")
+    rounds = d.get("interleaved")
+    if rounds:
+        head += (f"; in alternating windows, TTFT p50 beside a job {ratio(rounds['ttft_ratio_median'])} of alone "
+                 f"(median of {len(rounds['rounds'])} rounds, {ratio(rounds['ttft_ratio_min'])} to "
+                 f"{ratio(rounds['ttft_ratio_max'])})")
     if d.get("other_runs"):
         ratios = ", ".join(f"{ratio(r['ttft_ratio'])} / {ratio(r['batch_time_ratio'])} ({r['label']})"
                            for r in d["other_runs"])
@@ -474,6 +480,14 @@ def batch_lane(d: dict) -> tuple[str, Table]:
              ["the job alone", "-", "-", num(d["batch_alone"]["seconds"], " s")],
              ["both", ms(beside["ttft_p50_s"]), ms(beside["itl_p50_s"]),
               f"{num(d['batch_beside_interactive']['seconds'], ' s')} (allowed {num(d['batch_allowed_s'], ' s')})"]]
+    if rounds:
+        def median_of(phase: str, key: str) -> float:
+            return statistics.median(r[phase][key] for r in rounds["rounds"])
+        table.append([f"alternating: {rounds['window_s']:.0f} s alone, then a {rounds['lines_per_round']}-line job, "
+                      f"{len(rounds['rounds'])} rounds (medians)",
+                      f"{ms(median_of('alone', 'ttft_p50_s'))} alone, {ms(median_of('beside', 'ttft_p50_s'))} beside",
+                      f"{ms(median_of('alone', 'itl_p50_s'))} / {ms(median_of('beside', 'itl_p50_s'))}",
+                      num(statistics.median(r["job"]["seconds"] for r in rounds["rounds"]), " s")])
     if "faults" in d:
         f = d["faults"]
         table.append([f"kill -9 of {', '.join(s['killed'] for s in f['struck'])} mid-job", "-", "-",
