@@ -58,6 +58,7 @@ from bench.provenance import provenance, write_results  # noqa: E402
 from common.clients import sync_client  # noqa: E402
 from common.keys import Keys  # noqa: E402
 from common.protocol import TraceEvent, decode  # noqa: E402
+from harness.proxy import SentinelProxy  # noqa: E402
 from harness.stacks import PrivateStack  # noqa: E402
 from harness.topology import SentinelGroup, free_node_ports, started  # noqa: E402
 from llmserve.launcher import Stack, Supervisor, gateway_ports, serving  # noqa: E402
@@ -67,10 +68,14 @@ from tests.sse import parse  # noqa: E402
 NS = "nemesis"
 KEYS = Keys(NS)
 WORKERS, GATEWAYS, SCHEDULERS, SENTINELS = 3, 2, 2, 3
+DATA_SERVERS, WRITE_REPLICAS = 3, 1
 WORKER_TTL = 3.0
 RESUME_GRACE = 3.0
 FAULTS = ("worker_kill9", "worker_sigterm", "worker_sigstop", "gateway_kill9", "gateway_sigterm",
-          "scheduler_kill9", "scheduler_sigterm", "redis_failover", "redis_kill9", "client_vanish")
+          "scheduler_kill9", "scheduler_sigterm", "redis_failover", "redis_kill9", "client_vanish", "network_delay",
+          "network_cut")
+# What network_delay adds to each chunk, each way, between the proxied worker and Redis (sentinels included).
+NETWORK_DELAY_S = 0.25
 # The error a client may meet and submit again for: what a Redis failover does to the streams in flight.
 EXPECTED_ERRORS = ("redis_unavailable",)
 TOPICS = ("ships", "bread", "rivers", "clocks", "bees", "glass", "trains", "paper", "salt", "maps", "bells",
@@ -117,7 +122,8 @@ class Options:
         return {"prompt": prompt, "max_tokens": self.tokens, "temperature": 0, "ignore_eos": True}
 
 
-# Redis: a primary and a replica watched by three sentinels.
+# Redis: a primary and two replicas watched by three sentinels; a primary takes a write only while a replica
+# follows it (min-replicas-to-write 1), so that the old primary of a failover refuses writes it would lose.
 
 @dataclass
 class Quorum(SentinelGroup):
@@ -125,6 +131,7 @@ class Quorum(SentinelGroup):
     killed and restarted as a supervisor would."""
 
     sentinel_ports: list[int] = field(default_factory=list)
+    proxy: SentinelProxy | None = None  # between the last worker and the group, for the network faults
 
     @property
     def url(self) -> str:
@@ -140,12 +147,19 @@ class Quorum(SentinelGroup):
         raise redis.ConnectionError("no sentinel answers")
 
     def start(self) -> None:
-        super().start()  # the primary, the replica and the first sentinel
+        super().start()  # the data servers and the first sentinel
         primary = self.primary_port()
         self.processes += [self.sentinel_server(port, primary, quorum=2) for port in self.sentinel_ports[1:]]
         redis.Redis(port=self.sentinel_port).execute_command("SENTINEL", "SET", self.service, "quorum", "2")
         wait_until(lambda: all(self._peers(port) == SENTINELS - 1 for port in self.sentinel_ports), 60,
                    "the sentinels to know one another")
+        self.proxy = SentinelProxy(self.sentinel_ports, self.service)
+        self.proxy.start()
+
+    def stop(self) -> None:
+        if self.proxy is not None:
+            self.proxy.stop()
+        super().stop()
 
     def _peers(self, port: int) -> int:
         with contextlib.suppress(redis.RedisError, OSError):
@@ -153,7 +167,7 @@ class Quorum(SentinelGroup):
         return -1
 
     def ready(self) -> bool:
-        """Whether a failover could happen now: the replica in sync and known healthy to Sentinel."""
+        """Whether a failover could happen now: the replicas in sync and known healthy to Sentinel."""
         with contextlib.suppress(redis.RedisError, OSError, StopIteration):
             return self._ready()
         return False
@@ -187,9 +201,10 @@ class Quorum(SentinelGroup):
 
 
 def start_quorum(service: str = "llmserve") -> Quorum:
-    first, second, *sentinels = sorted(free_node_ports(2 + SENTINELS))
-    return started(Quorum(service, [first, second], sentinels[0],
-                          tempfile.TemporaryDirectory(prefix="llmserve-nemesis-"), sentinel_ports=sentinels))
+    ports = sorted(free_node_ports(DATA_SERVERS + SENTINELS))
+    data, sentinels = ports[:DATA_SERVERS], ports[DATA_SERVERS:]
+    return started(Quorum(service, data, sentinels[0], tempfile.TemporaryDirectory(prefix="llmserve-nemesis-"),
+                          write_replicas=WRITE_REPLICAS, sentinel_ports=sentinels))
 
 
 
@@ -208,9 +223,10 @@ def nemesis_stack(options: Options) -> Iterator[PrivateStack]:
         urls = [f"http://127.0.0.1:{port}" for port in gateway_ports(env, GATEWAYS)]
         running = PrivateStack(urls[0], stack, group.url, None, urls, group)
         try:
-            stack.start(WORKERS, GATEWAYS)
+            stack.start(WORKERS - 1, GATEWAYS)
             for _ in range(SCHEDULERS - 1):
                 stack.spawn("scheduler")  # a standby
+            stack.spawn("worker", REDIS_URL=group.proxy.url)  # the network faults' worker, last of the workers
             for url in urls:
                 wait_until(lambda url=url: serving(url, WORKERS, stack), 600, f"{WORKERS} workers behind {url}", 0.5)
             yield running
@@ -410,7 +426,7 @@ class Fault:
     at_s: float  # planned, from the start of the faulty phase
     fault: str
     target: int  # the place of the worker or gateway, the client; 0 where there is one choice (leader, primary)
-    hold_s: float  # how long a frozen worker stays frozen, a killed primary stays down
+    hold_s: float  # how long a frozen worker stays frozen, a killed primary down, the network slow or cut
     done_s: float | None = None  # when it struck
     detail: dict = field(default_factory=dict)
 
@@ -432,8 +448,13 @@ def schedule(options: Options) -> list[Fault]:
                 return faults
             target = {"worker": rng.randrange(WORKERS), "gateway": rng.randrange(GATEWAYS),
                       "client": rng.randrange(options.clients)}.get(kind.split("_")[0], 0)
-            faults.append(Fault(at, kind, target, WORKER_TTL + rng.uniform(1, 3) if kind == "worker_sigstop"
-                                else rng.uniform(2, 4) if kind == "redis_kill9" else 0.0))
+            faults.append(Fault(at, kind, target, hold(kind, rng)))
+
+
+def hold(kind: str, rng: random.Random) -> float:
+    if kind in ("worker_sigstop", "network_cut"):  # past the worker's TTL: its streams move
+        return WORKER_TTL + rng.uniform(1, 3)
+    return {"redis_kill9": rng.uniform(2, 4), "network_delay": rng.uniform(3, 6)}.get(kind, 0.0)
 
 
 class Nemesis:
@@ -502,6 +523,14 @@ class Nemesis:
                 self.later.append((time.monotonic() + fault.hold_s, lambda: self.group.restart_as_replica(place)))
         elif kind == "client_vanish":
             self.clients[fault.target].vanish.set()
+        elif kind.startswith("network"):
+            proxy = self.group.proxy
+            if kind == "network_delay":
+                proxy.delay(NETWORK_DELAY_S)
+            else:  # cut off past its TTL: the worker must act as one woken from a freeze
+                proxy.cut()
+                self.ever_frozen.add(self.stack.processes[places(self.stack, "worker")[-1]][1].pid)
+            self.later.append((time.monotonic() + fault.hold_s, lambda: proxy.heal() or True))
         else:
             service, how = kind.split("_")
             if service == "scheduler":
@@ -859,10 +888,9 @@ def run(options: Options, log: Callable[[str], None] = print) -> dict[str, objec
         "engine": options.engine, "minutes": options.minutes, "seed": options.seed, "clients": options.clients,
         "tokens_per_request": options.tokens, "warmup_s": options.warmup_s,
         "stack": {"gateways": GATEWAYS, "workers": WORKERS, "schedulers": SCHEDULERS,
-                  "redis": f"sentinel: a primary, a replica, {SENTINELS} sentinels (quorum 2)"},
-        "settings": options.settings(),
-        "not_struck": "network delay/drop between a worker and Redis (a proxy would have to stand in for the "
-                      "sentinels too)"}
+                  "redis": f"sentinel: a primary, {DATA_SERVERS - 1} replicas, {SENTINELS} sentinels (quorum 2), "
+                           f"min-replicas-to-write {WRITE_REPLICAS}"},
+        "settings": options.settings(), "network_delay_s": NETWORK_DELAY_S}
     log(f"nemesis: {len(plan)} faults over {options.minutes} min, seed {options.seed}, {options.clients} clients, "
         f"ENGINE={options.engine}")
     with nemesis_stack(options) as running:

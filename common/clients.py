@@ -23,11 +23,13 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterPipeline as AsyncClusterPipeline
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelPool
+from redis.asyncio.sentinel import SentinelManagedConnection as AsyncSentinelConnection
 from redis.cluster import ClusterNode, ClusterPipeline
 from redis.connection import parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.maint_notifications import MaintNotificationsConfig
-from redis.sentinel import Sentinel
+from redis.sentinel import Sentinel, SentinelManagedConnection
 
 from common.errors import SettingsError
 
@@ -138,6 +140,41 @@ def is_cluster(url: str) -> bool:
     return parse_redis_url(url).cluster
 
 
+# Under Sentinel, a primary run with `min-replicas-to-write` refuses writes once no replica follows it: in a
+# failover that is the old primary, which goes on answering until Sentinel demotes it. redis-py drops the
+# connection on READONLY (a primary already demoted) but not on NOREPLICAS, so each of its writes would fail there
+# for the seconds until the demotion; dropping the connection makes the next command ask Sentinel again.
+
+def _not_replicated(connection: Any, exc: ResponseError) -> bool:
+    return connection.connection_pool.is_master and str(exc).startswith("NOREPLICAS")
+
+
+def _refused(exc: ResponseError) -> RedisConnectionError:
+    return RedisConnectionError(f"the primary refused a write for want of replicas ({exc}); asking Sentinel again")
+
+
+class _PrimaryConnection(SentinelManagedConnection):
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().read_response(*args, **kwargs)
+        except ResponseError as exc:
+            if not _not_replicated(self, exc):
+                raise
+            self.disconnect()
+            raise _refused(exc) from exc
+
+
+class _AsyncPrimaryConnection(AsyncSentinelConnection):
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().read_response(*args, **kwargs)
+        except ResponseError as exc:
+            if not _not_replicated(self, exc):
+                raise
+            await self.disconnect()
+            raise _refused(exc) from exc
+
+
 # Sync clients: the scheduler, the workers, the launcher and tests.
 
 def sync_client(url: str, **options: Any) -> Any:
@@ -148,7 +185,8 @@ def sync_client(url: str, **options: Any) -> Any:
         return redis.Redis.from_url(url, **options)
     if target.mode == "sentinel":
         sentinel = Sentinel(list(target.nodes), sentinel_kwargs={"socket_timeout": SENTINEL_TIMEOUT})
-        return sentinel.master_for(target.service, db=target.db, **target.credentials(), **options)
+        return sentinel.master_for(target.service, db=target.db, connection_class=_PrimaryConnection,
+                                   **target.credentials(), **options)
     nodes = [ClusterNode(host, port) for host, port in target.nodes]
     return LazyCluster(lambda: redis.RedisCluster(startup_nodes=nodes, maint_notifications_config=NO_MAINTENANCE,
                                                   **target.credentials(), **options))
@@ -199,8 +237,8 @@ def async_client(url: str, max_connections: int, wait_seconds: float) -> Any:
             url, max_connections=max_connections, timeout=wait_seconds))
     if target.mode == "sentinel":
         return async_sentinel(target).master_for(
-            target.service, connection_pool_class=_BlockingSentinelPool, db=target.db,
-            max_connections=max_connections, timeout=wait_seconds, **target.credentials())
+            target.service, connection_pool_class=_BlockingSentinelPool, connection_class=_AsyncPrimaryConnection,
+            db=target.db, max_connections=max_connections, timeout=wait_seconds, **target.credentials())
     nodes = [aioredis.cluster.ClusterNode(host, port) for host, port in target.nodes]
     return _AsyncCluster(startup_nodes=nodes, max_connections=CLUSTER_NODE_CONNECTIONS,
                          maint_notifications_config=NO_MAINTENANCE, **target.credentials())

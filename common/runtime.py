@@ -74,16 +74,21 @@ _CLUSTER_AWAY = ("Redis Cluster cannot be connected", "All slots are not covered
                  "No targets were found")
 
 
+# Replies of a server that is restarting empty, loading, full under noeviction, a replica now, or a primary that no
+# replica follows (min-replicas-to-write).
+_WAITED_OUT = ("NOGROUP", "OOM", "LOADING", "READONLY", "NOREPLICAS")
+
+
 def redis_trouble(exc: BaseException) -> bool:
-    """Whether `exc` says Redis is away, restarted empty (NOGROUP), loading, or full (OOM under noeviction),
-    or a cluster is down, failing over or moving slots: conditions a service waits out with backoff. Any
-    other error is a bug to surface."""
+    """Whether `exc` says Redis is away, restarted empty (NOGROUP), loading, full (OOM under noeviction), or
+    short of replicas to write (NOREPLICAS), or a cluster is down, failing over or moving slots: conditions a
+    service waits out with backoff. Any other error is a bug to surface."""
     if isinstance(exc, redis.ConnectionError | redis.TimeoutError | SlotNotCoveredError | ClusterError
                   | TryAgainError):
         return True
     if isinstance(exc, RedisClusterException):
         return str(exc).startswith(_CLUSTER_AWAY)
-    return isinstance(exc, redis.ResponseError) and str(exc).startswith(("NOGROUP", "OOM", "LOADING", "READONLY"))
+    return isinstance(exc, redis.ResponseError) and str(exc).startswith(_WAITED_OUT)
 
 
 async def stop_task(task: asyncio.Task[None] | None) -> None:

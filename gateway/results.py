@@ -39,6 +39,7 @@ READ_BYTES = 1 << 16
 CONNECT_SECONDS = 5.0
 FIRST_CONNECT_SECONDS = 5.0
 MAX_BACKOFF = 5.0
+PRIMARY_CHECK_SECONDS = 0.5
 LOST = Error(ErrorCode.REDIS_UNAVAILABLE, "the connection to Redis broke while the request was in flight")
 NODE_LOST = Error(ErrorCode.REDIS_UNAVAILABLE, "a Redis cluster node was lost while the request was in flight")
 MOVED = Error(ErrorCode.REDIS_UNAVAILABLE, "the request's results channel moved to another Redis cluster node "
@@ -173,9 +174,9 @@ class ResultRouter:
         backoff = 0.1
         while True:
             try:
-                reader, writer = await self._connect()
+                reader, writer, primary = await self._connect()
                 backoff = 0.1
-                await self._route(reader, writer)
+                await self._route(reader, writer, primary)
             except (RedisError, OSError) as exc:
                 log.warning("pub/sub connection lost; failing requests in flight",
                             extra={"error": str(exc), "in_flight": len(self.readers), "retry_in_s": backoff})
@@ -183,16 +184,19 @@ class ResultRouter:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF)
 
-    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, tuple[str, int] | None]:
+        """A connection, and under Sentinel the primary's address it went to."""
         if self.sentinel is None:
-            return await connect(self.redis_url)
+            return *await connect(self.redis_url), None
         host, port = await self.sentinel.discover_master(self.target.service)
-        return await open_node(host, port, self.target, primary=True)
+        return *await open_node(host, port, self.target, primary=True), (host, port)
 
-    async def _route(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _route(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     primary: tuple[str, int] | None) -> None:
         """Route whatever arrives until the connection ends, which raises."""
         self.writer = writer
         self.connected.set()
+        watch = asyncio.create_task(self._watch(primary, writer)) if primary else None
         try:
             parser = hiredis.Reader()
             while data := await reader.read(READ_BYTES):
@@ -204,6 +208,23 @@ class ResultRouter:
             self.writer = None  # before anyone is told: a new request must not subscribe on this connection
             self.connected.clear()
             writer.close()
+            if watch is not None:
+                watch.cancel()
+
+    async def _watch(self, primary: tuple[str, int], writer: asyncio.StreamWriter) -> None:
+        """Close the connection once Sentinel names another primary: the workers publish there from then on,
+        while the old primary may go on answering for seconds until Sentinel demotes it."""
+        while True:
+            await asyncio.sleep(PRIMARY_CHECK_SECONDS)
+            try:
+                now = await self.sentinel.discover_master(self.target.service)
+            except RedisError:
+                continue  # no sentinel answers: the connection stands until it breaks
+            if tuple(now) != tuple(primary):
+                log.warning("Sentinel names another primary; leaving the old one's pub/sub",
+                            extra={"old": f"{primary[0]}:{primary[1]}", "new": f"{now[0]}:{now[1]}"})
+                writer.close()
+                return
 
     def _fail_all(self) -> None:
         self.readers.fail(LOST)

@@ -1,6 +1,6 @@
 """Private Redis deployments on free loopback ports, for tests and benchmarks: a Redis Cluster of three
 masters (`redis-server --cluster-enabled yes`, joined with `redis-cli --cluster create`) and a primary with
-one replica watched by one Sentinel (`redis-server --sentinel`). Each keeps nothing on disk but its
+replicas watched by Sentinel (`redis-server --sentinel`). Each keeps nothing on disk but its
 configuration, in a temporary directory, and gives the REDIS_URL that reaches it."""
 
 from __future__ import annotations
@@ -144,13 +144,16 @@ def start_cluster(masters: int = 3, replicas: int = 0) -> Cluster:
 
 @dataclass
 class SentinelGroup:
-    """A primary, one replica, and one Sentinel (quorum 1) that fails over between them."""
+    """A primary and its replicas (one by default) watched by one Sentinel (quorum 1) that fails over between
+    them. With `write_replicas`, each data server runs with `min-replicas-to-write` so: a primary left with
+    fewer replicas refuses writes (NOREPLICAS) instead of taking writes that a failover would drop."""
 
     service: str
-    ports: list[int]  # the two data servers
+    ports: list[int]  # the data servers, the first the primary at the start
     sentinel_port: int
     workdir: tempfile.TemporaryDirectory[str]
-    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)  # the data servers', then sentinels'
+    write_replicas: int = 0
 
     @property
     def url(self) -> str:
@@ -165,19 +168,21 @@ class SentinelGroup:
         return int(port)
 
     def start(self) -> None:
-        first, second = self.ports
+        first, *others = self.ports
         self.processes.append(self.data_server(first))
-        self.processes.append(self.data_server(second, replica_of=first))
+        self.processes += [self.data_server(port, replica_of=first) for port in others]
         for port in self.ports:
             wait_until(lambda port=port: _pings(port), 10, f"redis-server on port {port}")
         self.processes.append(self.sentinel_server(self.sentinel_port, first, quorum=1))
-        wait_until(self._ready, 30, "the replica in sync and known to Sentinel")
+        wait_until(self._ready, 30, "the replicas in sync and known to Sentinel")
 
     def data_server(self, port: int, replica_of: int | None = None) -> subprocess.Popen[bytes]:
         """A data server; a replica keeps the copy it receives in the group's directory."""
         replica = ["--replicaof", "127.0.0.1", str(replica_of)] if replica_of is not None else []
-        return popen([*_server_args(port), "--dir", self.workdir.name, "--dbfilename", f"dump-{port}.rdb", *replica],
-                     stdout=subprocess.DEVNULL)
+        durable = (["--min-replicas-to-write", str(self.write_replicas), "--min-replicas-max-lag", "2"]
+                   if self.write_replicas else [])
+        return popen([*_server_args(port), "--dir", self.workdir.name, "--dbfilename", f"dump-{port}.rdb",
+                      "--repl-diskless-sync-delay", "0", *durable, *replica], stdout=subprocess.DEVNULL)
 
     def sentinel_server(self, port: int, primary: int, quorum: int) -> subprocess.Popen[bytes]:
         config = Path(self.workdir.name) / f"sentinel-{port}.conf"
@@ -188,17 +193,18 @@ class SentinelGroup:
         return popen([redis_server_binary(), str(config), "--sentinel"], stdout=subprocess.DEVNULL)
 
     def _ready(self) -> bool:
+        """Every replica known healthy to Sentinel and in sync with the primary."""
         try:
             replicas = self.sentinel.sentinel_slaves(self.service)
             healthy = [r for r in replicas if r["is_slave"] and not (r["is_sdown"] or r["is_disconnected"])]
-            return bool(healthy) and self._replica_in_sync()
+            return len(healthy) >= len(self.ports) - 1 and self._replicas_in_sync()
         except (redis.RedisError, OSError):
             return False
 
-    def _replica_in_sync(self) -> bool:
-        replica = next(p for p in self.ports if p != self.primary_port())
-        info = redis.Redis(port=replica).info("replication")
-        return info.get("master_link_status") == "up"
+    def _replicas_in_sync(self) -> bool:
+        primary = self.primary_port()
+        return all(redis.Redis(port=port).info("replication").get("master_link_status") == "up"
+                   for port in self.ports if port != primary)
 
     def failover(self, timeout: float = 30) -> int:
         """Promote the replica now (`SENTINEL FAILOVER`); returns the new primary's port once Sentinel names
@@ -225,7 +231,7 @@ class SentinelGroup:
         self.workdir.cleanup()
 
 
-def start_sentinel(service: str = "llmserve") -> SentinelGroup:
-    first, second, sentinel_port = sorted(free_node_ports(3))
-    return started(SentinelGroup(service, [first, second], sentinel_port,
-                                 tempfile.TemporaryDirectory(prefix="llmserve-sentinel-")))
+def start_sentinel(service: str = "llmserve", replicas: int = 1, write_replicas: int = 0) -> SentinelGroup:
+    *data, sentinel_port = sorted(free_node_ports(replicas + 2))
+    return started(SentinelGroup(service, data, sentinel_port,
+                                 tempfile.TemporaryDirectory(prefix="llmserve-sentinel-"), write_replicas=write_replicas))

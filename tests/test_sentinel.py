@@ -1,7 +1,9 @@
 """Redis under Sentinel (REDIS_URL=redis+sentinel://...): a primary, a replica and one Sentinel started on
 free ports, a sim stack on them, and the primary failing over in the middle of streams, by `SENTINEL
 FAILOVER` and by kill -9 of the primary. Each stream ends whole or with a clear `redis_unavailable` error,
-none hangs, and the stack serves again on the new primary without any service restarting."""
+none hangs, and the stack serves again on the new primary without any service restarting. Then groups run
+with `min-replicas-to-write 1` (bench/sentinel_writes.py): no acknowledged write lost with one replica, and the
+client off the old primary at its first refusal with two."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from bench.sentinel_writes import through_failover
 from harness.stacks import PrivateStack
 from llmserve.processes import wait_until
 from tests.conftest import sim_stack
@@ -83,3 +86,26 @@ def test_the_primary_killed_mid_stream(sentinel_stack: PrivateStack) -> None:
     wait_until(lambda: group.primary_port() != primary, 30, "Sentinel to promote the replica")
     wait_until(lambda: serves(sentinel_stack.url), 30, "the stack to serve on the new primary", 0.2)
     assert not sentinel_stack.stack.exited()
+
+
+
+def test_no_acknowledged_write_is_lost_to_a_failover_with_min_replicas_to_write() -> None:
+    """One replica and min-replicas-to-write 1: the old primary refuses writes from the moment its replica is
+    promoted, so none it acknowledged is dropped at its demotion (without the setting, every write of the
+    ten seconds before the demotion is). The refusals are Redis trouble the services wait out."""
+    row = through_failover(replicas=1, write_replicas=1)
+    print(row)
+    assert not row["unexpected"], row
+    assert row["acknowledged"] > 50 and row["refused_writes"] > 0, row
+    assert row["lost"] == 0, row
+
+
+def test_the_client_leaves_an_old_primary_at_its_first_refusal() -> None:
+    """Two replicas and min-replicas-to-write 1: once Sentinel has moved the other replica to the new primary,
+    the old one refuses writes (NOREPLICAS) and the client asks Sentinel again at once; writes go on there
+    within seconds, long before the old primary's demotion would have closed its connection."""
+    row = through_failover(replicas=2, write_replicas=1)
+    print(row)
+    assert not row["unexpected"], row
+    assert row["refusal"].startswith("the primary refused a write for want of replicas"), row
+    assert row["longest_pause_s"] < 5.0, row
