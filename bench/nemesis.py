@@ -2,8 +2,9 @@
 request's history afterwards.
 
 The stack: two gateways, three workers, two schedulers (one leads by its lease, the other stands by), Redis
-behind Sentinel (a primary, a replica and three sentinels, quorum 2), every one a process of its own on free
-loopback ports. The load: closed-loop streaming clients (greedy, a fixed max_tokens, ignore_eos) that resume
+behind Sentinel (a primary and a replica run with min-replicas-to-write 1, three sentinels, quorum 2), every
+one a process of its own on free loopback ports; the last worker reaches Redis through a proxy
+(harness/proxy.py). The load: closed-loop streaming clients (greedy, a fixed max_tokens, ignore_eos) that resume
 on the other gateway with Last-Event-ID whenever their connection breaks, and submit again when their request
 ends with `redis_unavailable` (what a Redis failover does to the streams in flight: docs/faults.md). The
 nemesis, on a schedule drawn from --seed (rounds of every fault in a shuffled order, at random gaps):
@@ -12,11 +13,9 @@ nemesis, on a schedule drawn from --seed (rounds of every fault in a shuffled or
   leader): each process restarted by the launcher's Supervisor after its backoff (1 s first), as `llmserve
   up` does; worker_sigstop: a worker frozen past WORKER_TTL, then SIGCONT; redis_failover (SENTINEL FAILOVER)
   and redis_kill9 (of the primary, restarted as a replica of the new one a few seconds later); client_vanish:
-  a client closes its stream and never resumes it (its request must be cancelled, or have finished first).
-
-Not struck: a network delay or drop between one worker and Redis. Under Sentinel a worker asks the sentinels
-where the primary is and connects there itself, so a proxy in front of one worker would have to answer for
-the sentinels too and rewrite the address they give: not cheap, left out.
+  a client closes its stream and never resumes it (its request must be cancelled, or have finished first);
+  network_delay: every chunk between the proxied worker and Redis (its sentinel answers too) held NETWORK_DELAY_S
+  each way for a few seconds; network_cut: nothing through until past its WORKER_TTL, then all of it.
 
 The checker, once the load has stopped and the stack settled: each stream (but the vanished) whole, every token
 index once and in order, with its end; its text equal to the fault-free text of its prompt (each prompt run once
@@ -68,7 +67,7 @@ from tests.sse import parse  # noqa: E402
 NS = "nemesis"
 KEYS = Keys(NS)
 WORKERS, GATEWAYS, SCHEDULERS, SENTINELS = 3, 2, 2, 3
-DATA_SERVERS, WRITE_REPLICAS = 3, 1
+DATA_SERVERS, WRITE_REPLICAS = 2, 1
 WORKER_TTL = 3.0
 RESUME_GRACE = 3.0
 FAULTS = ("worker_kill9", "worker_sigterm", "worker_sigstop", "gateway_kill9", "gateway_sigterm",
@@ -122,8 +121,9 @@ class Options:
         return {"prompt": prompt, "max_tokens": self.tokens, "temperature": 0, "ignore_eos": True}
 
 
-# Redis: a primary and two replicas watched by three sentinels; a primary takes a write only while a replica
-# follows it (min-replicas-to-write 1), so that the old primary of a failover refuses writes it would lose.
+# Redis: a primary and a replica watched by three sentinels; a primary takes a write only while its replica
+# follows it (min-replicas-to-write 1), so that the old primary of a failover refuses the writes its demotion
+# would drop (bench/sentinel_writes.py).
 
 @dataclass
 class Quorum(SentinelGroup):

@@ -461,6 +461,20 @@ def nemesis(d: dict) -> tuple[str, Table]:
     return head, table
 
 
+def sentinel_writes(d: dict) -> tuple[str, Table]:
+    table = [["replicas", "min-replicas-to-write", "writes acknowledged", "lost (acknowledged, then gone)",
+              "longest pause between two writes"]]
+    table += [[str(g["replicas"]), str(g["min_replicas_to_write"]), f"{g['acknowledged']:,}", f"{g['lost']:,}",
+               num(g["longest_pause_s"], " s")] for g in d["groups"]]
+    safe = [g for g in d["groups"] if g["lost"] == 0]
+    head = "; ".join(f"{g['replicas']} replica(s), min-replicas-to-write {g['min_replicas_to_write']}: "
+                     f"{g['lost']:,} of {g['acknowledged']:,} acknowledged writes lost" for g in d["groups"])
+    if safe:
+        head = f"nothing acknowledged lost with {safe[0]['replicas']} replica(s) and min-replicas-to-write " \
+               f"{safe[0]['min_replicas_to_write']}; {head}"
+    return head, table
+
+
 def batch_lane(d: dict) -> tuple[str, Table]:
     alone, beside = d["interactive_alone"], d["interactive_beside_batch"]
     head = (f"a {d['lines']}-line batch job beside {d['streams']} interactive streams: TTFT p50 "
@@ -673,6 +687,8 @@ RENDERERS: dict[str, tuple[str, Callable[[dict], tuple[str, Table]]]] = {
     "nemesis": ("faults together under a steady load: workers, gateways and the scheduler killed (-9 and SIGTERM), a "
                 "worker frozen past its TTL, Sentinel failovers and a killed primary, clients that vanish; then a "
                 "checker over every request's history (bench/nemesis.py)", nemesis),
+    "sentinel_writes": ("one client appending through a `SENTINEL FAILOVER`: the writes it was told succeeded and "
+                        "then lost, by how the Redis group runs (bench/sentinel_writes.py)", sentinel_writes),
     "batch_lane": ("a batch job in the background lane beside interactive streams, on one worker of the default "
                    "model (bench/batch_lane.py)", batch_lane),
     "drain_hf": ("SIGTERM to a worker: handing off against finishing in place", drain),
