@@ -24,29 +24,39 @@ POLL_S = 0.005
 
 
 def resp(value: object) -> bytes:
-    """`value` in RESP: lists as arrays, ints as integers, the rest as bulk strings."""
-    if isinstance(value, list):
-        return b"*%d\r\n" % len(value) + b"".join(resp(item) for item in value)
+    """A reply as hiredis read it (RESP2 or RESP3), in RESP3 again."""
+    if value is None:
+        return b"_\r\n"
+    if isinstance(value, hiredis.ReplyError):
+        return b"-%s\r\n" % str(value).encode()
+    if isinstance(value, bool):
+        return b"#t\r\n" if value else b"#f\r\n"
     if isinstance(value, int):
         return b":%d\r\n" % value
+    if isinstance(value, float):
+        return b",%r\r\n" % value
+    if isinstance(value, dict):
+        return b"%%%d\r\n" % len(value) + b"".join(resp(k) + resp(v) for k, v in value.items())
+    if isinstance(value, list):
+        return b"*%d\r\n" % len(value) + b"".join(resp(item) for item in value)
     data = value if isinstance(value, bytes) else str(value).encode()
     return b"$%d\r\n%s\r\n" % (len(data), data)
 
 
-async def ask(port: int, *parts: str) -> object:
-    """One command to a local server; its reply as hiredis reads it."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(resp(list(parts)))
-        parser = hiredis.Reader()
-        while (reply := parser.gets()) is False:
-            data = await reader.read(READ_BYTES)
+class Replies:
+    """Commands to one server over one connection, their replies as hiredis reads them."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer, self.parser = reader, writer, hiredis.Reader()
+
+    async def ask(self, command: list[bytes]) -> object:
+        self.writer.write(b"*%d\r\n" % len(command) + b"".join(resp(part) for part in command))
+        while (reply := self.parser.gets()) is False:
+            data = await self.reader.read(READ_BYTES)
             if not data:
-                raise ConnectionError("the sentinel closed the connection")
-            parser.feed(data)
+                raise ConnectionError("the server closed the connection")
+            self.parser.feed(data)
         return reply
-    finally:
-        writer.close()
 
 
 class SentinelProxy:
@@ -58,6 +68,7 @@ class SentinelProxy:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="redis-proxy", daemon=True)
         self.servers: list[asyncio.Server] = []
+        self.open: set[asyncio.StreamWriter] = set()  # every connection's writer, each end
 
     @property
     def url(self) -> str:
@@ -87,10 +98,15 @@ class SentinelProxy:
                         await asyncio.start_server(self._join, "127.0.0.1", self.data_port)]
 
     async def _close(self) -> None:
+        """Close every connection, and let each handler end on its own (cancelling a connection's handler trips
+        asyncio's server callback)."""
         for server in self.servers:
             server.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(server.wait_closed(), 2)
+        for writer in list(self.open):
+            writer.close()
+        others = asyncio.all_tasks() - {asyncio.current_task()}
+        if others:
+            await asyncio.wait(others, timeout=5)
 
     async def _held(self, since: float) -> None:
         """Until a chunk that arrived at `since` may go on."""
@@ -98,52 +114,77 @@ class SentinelProxy:
             await asyncio.sleep(POLL_S)
 
     async def _sentinel(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Answer as a sentinel: the real ones' view of the service, with this proxy as its primary's address."""
+        """Answer as a sentinel, over a connection to a real one: its replies, but with this proxy's data port
+        for the primary's address."""
+        self.open.add(writer)
+        upstream = await self._a_sentinel()
+        if upstream is None:
+            writer.close()
+            return
+        self.open.add(upstream.writer)
         parser = hiredis.Reader()
         try:
             while data := await reader.read(READ_BYTES):
                 arrived = time.monotonic()
                 parser.feed(data)
                 while (command := parser.gets()) is not False:
-                    answer = await self._answer([part.decode().upper() for part in command])
+                    answer = self._as_proxy(command, await upstream.ask(command))
                     await self._held(arrived)
-                    writer.write(answer)
+                    writer.write(resp(answer))
                     await writer.drain()
         except (ConnectionError, OSError):
             pass
         finally:
-            writer.close()
+            for end in (writer, upstream.writer):
+                end.close()
+                self.open.discard(end)
 
-    async def _answer(self, command: list[str]) -> bytes:
-        if command[:2] == ["SENTINEL", "MASTERS"]:
-            masters = await self._real("SENTINEL", "MASTERS")
-            return resp([self._as_proxy(master) for master in masters])
-        if command[:2] == ["SENTINEL", "GET-MASTER-ADDR-BY-NAME"]:
-            return resp(["127.0.0.1", str(self.data_port)])
-        return b"+PONG\r\n" if command[:1] == ["PING"] else b"+OK\r\n"
-
-    def _as_proxy(self, master: list[bytes]) -> list[bytes]:
-        fields = dict(zip(master[::2], master[1::2], strict=True))
-        if fields.get(b"name") == self.service.encode():
-            fields[b"ip"], fields[b"port"] = b"127.0.0.1", str(self.data_port).encode()
-        return [item for pair in fields.items() for item in pair]
-
-    async def _real(self, *command: str) -> list:
+    async def _a_sentinel(self) -> Replies | None:
         for port in self.sentinel_ports:
             with contextlib.suppress(ConnectionError, OSError):
-                reply = await ask(port, *command)
-                if isinstance(reply, list):
-                    return reply
-        return []
+                return Replies(*await asyncio.open_connection("127.0.0.1", port))
+        return None
+
+    def _as_proxy(self, command: list[bytes], reply: object) -> object:
+        said = [part.upper() for part in command[:2]]
+        if said == [b"SENTINEL", b"GET-MASTER-ADDR-BY-NAME"] and isinstance(reply, list):
+            return [b"127.0.0.1", str(self.data_port).encode()]
+        if said == [b"SENTINEL", b"MASTERS"] and isinstance(reply, list):
+            return [self._master_as_proxy(master) for master in reply]
+        return reply
+
+    def _master_as_proxy(self, master: list[bytes] | dict[bytes, bytes]) -> list[bytes] | dict[bytes, bytes]:
+        fields = master if isinstance(master, dict) else dict(zip(master[::2], master[1::2], strict=True))
+        if fields.get(b"name") == self.service.encode():
+            fields = {**fields, b"ip": b"127.0.0.1", b"port": str(self.data_port).encode()}
+        return fields if isinstance(master, dict) else [item for pair in fields.items() for item in pair]
+
+    async def _primary(self) -> tuple[str, int] | None:
+        """The address the real sentinels give for the primary now."""
+        upstream = await self._a_sentinel()
+        if upstream is None:
+            return None
+        try:
+            address = await upstream.ask([b"SENTINEL", b"GET-MASTER-ADDR-BY-NAME", self.service.encode()])
+        except (ConnectionError, OSError):
+            return None
+        finally:
+            upstream.writer.close()
+        return (address[0].decode(), int(address[1])) if isinstance(address, list) else None
 
     async def _join(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Join a connection to the primary the sentinels name now, through the faults."""
+        self.open.add(writer)
+        primary = await self._primary()
         try:
-            address = await self._real("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.service)
-            upstream_reader, upstream = await asyncio.open_connection(address[0].decode(), int(address[1]))
-        except (ConnectionError, OSError, IndexError):
+            if primary is None:
+                raise ConnectionError("no sentinel names a primary")
+            upstream_reader, upstream = await asyncio.open_connection(*primary)
+        except (ConnectionError, OSError):
             writer.close()
+            self.open.discard(writer)
             return
+        self.open.add(upstream)
         await asyncio.gather(self._pipe(reader, upstream), self._pipe(upstream_reader, writer))
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -166,3 +207,4 @@ class SentinelProxy:
             sender.cancel()
         finally:
             writer.close()
+            self.open.discard(writer)

@@ -233,5 +233,5 @@ class SentinelGroup:
 
 def start_sentinel(service: str = "llmserve", replicas: int = 1, write_replicas: int = 0) -> SentinelGroup:
     *data, sentinel_port = sorted(free_node_ports(replicas + 2))
-    return started(SentinelGroup(service, data, sentinel_port,
-                                 tempfile.TemporaryDirectory(prefix="llmserve-sentinel-"), write_replicas=write_replicas))
+    return started(SentinelGroup(service, data, sentinel_port, tempfile.TemporaryDirectory(prefix="llmserve-sentinel-"),
+                                 write_replicas=write_replicas))
