@@ -466,12 +466,9 @@ def sentinel_writes(d: dict) -> tuple[str, Table]:
               "longest pause between two writes"]]
     table += [[str(g["replicas"]), str(g["min_replicas_to_write"]), f"{g['acknowledged']:,}", f"{g['lost']:,}",
                num(g["longest_pause_s"], " s")] for g in d["groups"]]
-    safe = [g for g in d["groups"] if g["lost"] == 0]
-    head = "; ".join(f"{g['replicas']} replica(s), min-replicas-to-write {g['min_replicas_to_write']}: "
-                     f"{g['lost']:,} of {g['acknowledged']:,} acknowledged writes lost" for g in d["groups"])
-    if safe:
-        head = f"nothing acknowledged lost with {safe[0]['replicas']} replica(s) and min-replicas-to-write " \
-               f"{safe[0]['min_replicas_to_write']}; {head}"
+    head = "acknowledged writes lost through a `SENTINEL FAILOVER`, by replicas / min-replicas-to-write: " + "; ".join(
+        f"{g['replicas']} / {g['min_replicas_to_write']}: {g['lost']:,} of {g['acknowledged']:,} (longest pause "
+        f"{num(g['longest_pause_s'], ' s')})" for g in d["groups"])
     return head, table
 
 

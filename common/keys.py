@@ -77,6 +77,12 @@ class Keys:
         """List of the token ids a worker has delivered for this request, for resuming it elsewhere."""
         return self._request("progress", request_id)
 
+    def owner(self, request_id: str) -> str:
+        """Which worker may write this request's results: its id once dispatched there, '' once the scheduler
+        moved the request away or it ended (nobody may), absent where nothing is known (any may). A write that
+        a partition held back until after the request moved is refused by it (common/resultlog.py)."""
+        return self._request("owner", request_id)
+
     def log(self, request_id: str) -> str:
         """List of what was published for this request, for resuming its stream (common/resultlog.py):
         the bytes of results held, a header (the StreamMeta for a stream's first request_id, else empty),
@@ -148,6 +154,10 @@ DEAD_LETTER_MAXLEN = 1_000
 # reaps the keys of a worker that left while no scheduler watched. As long as a request's delivered tokens are
 # kept (an hour from its first token), so that whatever could still be resumed can still be found.
 WORKER_KEYS_TTL_SECONDS = 3600
+# How long a request's owner key outlives its last setting: its dispatch or move as long as a worker's keys, its
+# end long enough for a write a partition held back to find it ended.
+OWNER_TTL_SECONDS = WORKER_KEYS_TTL_SECONDS
+ENDED_OWNER_TTL_SECONDS = 60
 
 
 SCHEDULER_GROUP = "scheduler"

@@ -111,35 +111,48 @@ return due
 """
 
 
-# KEYS: for each result, its request's results channel, progress list and results log (one slot: the
+# KEYS: for each result, its request's results channel, progress list, results log and owner (one slot: the
 # request's hash tag). ARGV: the publish command (PUBLISH, or SPUBLISH in a cluster), the log's expiry in ms
-# (0: no log), its bound in bytes, then for each result: encoded result, token id ('' for none: not a token,
-# or no progress).
+# (0: no log), its bound in bytes, the writing worker ('' for a service: no check), how long an ended request's
+# owner is kept in ms, then for each result: encoded result, token id ('' for none: not a token, or no progress),
+# and whether it ends the request ('1' or ''). A worker's result for a request whose owner is another worker or
+# '' is refused: the positions of the refused come back, so that the worker drops those requests. An ending
+# deletes the progress list and leaves the owner '' for a while, so that a late write cannot recreate it.
 PUBLISH_RESULTS = """
-local publish, ttl, cap = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local arg = 4
-for k = 1, #KEYS, 3 do
-  local payload, token = ARGV[arg], ARGV[arg + 1]
-  arg = arg + 2
-  redis.call(publish, KEYS[k], payload)
-  if token ~= '' then redis.call('RPUSH', KEYS[k + 1], token) end
-  if ttl > 0 then
-    local log = KEYS[k + 2]
-    if redis.call('RPUSHX', log, payload) > 0 then
-      local held = (tonumber(redis.call('LINDEX', log, 0)) or 0) + #payload
-      -- Past the bound, an eighth of it goes at once, so that trimming is rare.
-      local keep = held > cap and cap - math.floor(cap / 8) or held
-      while held > keep and redis.call('LLEN', log) > 3 do
-        local oldest = redis.call('LPOP', log, 3)
-        held = held - #oldest[3]
-        redis.call('LPUSH', log, oldest[2], held)
+local publish, ttl, cap, writer, ended_ms = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], ARGV[5]
+local refused = {}
+local arg = 6
+for k = 1, #KEYS, 4 do
+  local payload, token, ends = ARGV[arg], ARGV[arg + 1], ARGV[arg + 2]
+  arg = arg + 3
+  local owner = writer ~= '' and redis.call('GET', KEYS[k + 3])
+  if owner and owner ~= writer then
+    refused[#refused + 1] = (k + 3) / 4
+  else
+    redis.call(publish, KEYS[k], payload)
+    if token ~= '' then redis.call('RPUSH', KEYS[k + 1], token) end
+    if ttl > 0 then
+      local log = KEYS[k + 2]
+      if redis.call('RPUSHX', log, payload) > 0 then
+        local held = (tonumber(redis.call('LINDEX', log, 0)) or 0) + #payload
+        -- Past the bound, an eighth of it goes at once, so that trimming is rare.
+        local keep = held > cap and cap - math.floor(cap / 8) or held
+        while held > keep and redis.call('LLEN', log) > 3 do
+          local oldest = redis.call('LPOP', log, 3)
+          held = held - #oldest[3]
+          redis.call('LPUSH', log, oldest[2], held)
+        end
+        redis.call('LSET', log, 0, held)
+        redis.call('PEXPIRE', log, ttl)
       end
-      redis.call('LSET', log, 0, held)
-      redis.call('PEXPIRE', log, ttl)
+    end
+    if ends ~= '' then
+      redis.call('DEL', KEYS[k + 1])
+      redis.call('SET', KEYS[k + 3], '', 'PX', ended_ms)
     end
   end
 end
-return 0
+return refused
 """
 
 

@@ -27,7 +27,7 @@ import redis
 from common.clients import sync_client
 from common.counters import QueueCounts
 from common.errors import ErrorCode
-from common.keys import PAYLOAD, SCHEDULER_GROUP, WORKER_KEYS_TTL_SECONDS, Keys
+from common.keys import OWNER_TTL_SECONDS, PAYLOAD, SCHEDULER_GROUP, WORKER_KEYS_TTL_SECONDS, Keys
 from common.protocol import Batch, Cancel, Finished, Handoff, RequestMessage, Returned, Submit, WorkerEvent, encode, now
 from common.runtime import REDIS_ERRORS, Backoff, decode_or_drop, redis_trouble, service_id
 from common.settings import Settings
@@ -270,6 +270,13 @@ class Scheduler:
         batches = plan(self.queue, workers, self.limit, clock, reserved)
         if not batches:
             return
+        # Each request's owner first, in a round trip of its own: a worker must never read a request in its inbox
+        # before Redis knows the request is its to write (in a cluster the two keys live on different nodes).
+        owners = self.redis.pipeline(transaction=False)
+        for worker_id, items in batches:
+            for item in items:
+                owners.set(self.keys.owner(item.request_id), worker_id, ex=OWNER_TTL_SECONDS)
+        owners.execute()
         pipe = self.redis.pipeline(transaction=False)
         self.outcomes.leave_queue(pipe, [item for _, batch in batches for item in batch])
         for worker_id, items in batches:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import redis
 
 from common.errors import ErrorCode
-from common.keys import WORKER_KEYS_TTL_SECONDS, Keys
+from common.keys import OWNER_TTL_SECONDS, WORKER_KEYS_TTL_SECONDS, Keys
 from common.protocol import ProtocolError, Submit, encode, now
 from common.runtime import decode_or_drop, parse_heartbeats
 from common.settings import Settings
@@ -103,13 +103,16 @@ class Roster:
             metrics.WORKERS_LOST.inc()
         level = logging.WARNING if assigned else logging.INFO
         log.log(level, "worker gone", extra={"worker_id": worker_id, "in_flight": len(assigned)})
+        # Each request's owner cleared before its progress is read: a write of the lost worker that reaches Redis
+        # later (it was partitioned, not dead) is refused, and cannot add to the tokens the next worker resumes from.
         reads = self.redis.pipeline(transaction=False)
         for rid in assigned:
+            reads.set(self.keys.owner(rid.decode()), "", ex=OWNER_TTL_SECONDS)
             reads.lrange(self.keys.progress(rid.decode()), 0, -1)
         pipe = self.redis.pipeline(transaction=False)
         for rid in assigned:
             self.model_of.pop(rid.decode(), None)
-        for (rid, payload), delivered in zip(assigned.items(), reads.execute(), strict=True):
+        for (rid, payload), delivered in zip(assigned.items(), reads.execute()[1::2], strict=True):
             submit = decode_or_drop(payload, Submit, self.limit, log, "an assignment", worker_id=worker_id)
             try:
                 if submit is not None:

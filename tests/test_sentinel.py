@@ -62,7 +62,10 @@ def test_a_sentinel_failover_mid_stream(sentinel_stack: PrivateStack) -> None:
     before = group.primary_port()
     started = time.monotonic()
     ended = streams_through(sentinel_stack, group.failover)
-    print(f"SENTINEL FAILOVER: streams ended within {time.monotonic() - started:.1f} s")
+    took = time.monotonic() - started
+    print(f"SENTINEL FAILOVER: streams ended within {took:.1f} s")
+    # The gateway left the old primary's pub/sub once Sentinel named the new one, not at its demotion (~10 s on).
+    assert took < 6.0
     assert group.primary_port() != before
     check_each_ended_whole_or_clearly(ended)
     wait_until(lambda: serves(sentinel_stack.url), 30, "the stack to serve on the new primary", 0.2)

