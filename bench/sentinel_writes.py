@@ -61,6 +61,7 @@ def through_failover(replicas: int, write_replicas: int, after_s: float = AFTER_
         writer = threading.Thread(target=write)
         writer.start()
         wait_until(lambda: len(acked) > 50, 10, "writes under way")
+        struck = time.monotonic()
         group.failover()
         time.sleep(after_s)
         stop.set()
@@ -69,8 +70,10 @@ def through_failover(replicas: int, write_replicas: int, after_s: float = AFTER_
     finally:
         group.stop()
     pauses = [later - earlier for (_, earlier), (_, later) in itertools.pairwise(acked)]
+    lost = [round(at - struck, 3) for value, at in acked if value not in kept]
     return {"replicas": replicas, "min_replicas_to_write": write_replicas, "acknowledged": len(acked),
-            "lost": sum(value not in kept for value, _ in acked), "longest_pause_s": round(max(pauses), 2),
+            "lost": len(lost), "lost_acknowledged_from_s": lost[0] if lost else None,
+            "lost_acknowledged_to_s": lost[-1] if lost else None, "longest_pause_s": round(max(pauses), 2),
             "refused_writes": len(refusals), "refusal": refusals[0] if refusals else "", "unexpected": unexpected}
 
 
