@@ -166,12 +166,6 @@ class Quorum(SentinelGroup):
             return len(redis.Redis(port=port, socket_timeout=2).sentinel_sentinels(self.service))
         return -1
 
-    def ready(self) -> bool:
-        """Whether a failover could happen now: the replicas in sync and known healthy to Sentinel."""
-        with contextlib.suppress(redis.RedisError, OSError, StopIteration):
-            return self._ready()
-        return False
-
     def ask_failover(self) -> int:
         """SENTINEL FAILOVER, without waiting for it; returns the primary's port before it."""
         before = self.primary_port()

@@ -61,6 +61,8 @@ def through_failover(replicas: int, write_replicas: int, after_s: float = AFTER_
         writer = threading.Thread(target=write)
         writer.start()
         wait_until(lambda: len(acked) > 50, 10, "writes under way")
+        # A replica fresh from its first sync gets the writes a moment after the primary takes them.
+        wait_until(group.ready, 10, "the replica following the writes")
         struck = time.monotonic()
         group.failover()
         time.sleep(after_s)

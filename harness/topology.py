@@ -174,7 +174,7 @@ class SentinelGroup:
         for port in self.ports:
             wait_until(lambda port=port: _pings(port), 10, f"redis-server on port {port}")
         self.processes.append(self.sentinel_server(self.sentinel_port, first, quorum=1))
-        wait_until(self._ready, 30, "the replicas in sync and known to Sentinel")
+        wait_until(self.ready, 30, "the replicas in sync and known to Sentinel")
 
     def data_server(self, port: int, replica_of: int | None = None) -> subprocess.Popen[bytes]:
         """A data server; a replica keeps the copy it receives in the group's directory."""
@@ -192,19 +192,24 @@ class SentinelGroup:
                           f"sentinel failover-timeout {self.service} 5000\n")
         return popen([redis_server_binary(), str(config), "--sentinel"], stdout=subprocess.DEVNULL)
 
-    def _ready(self) -> bool:
-        """Every replica known healthy to Sentinel and in sync with the primary."""
+    def ready(self) -> bool:
+        """Whether a failover could lose nothing now: every replica known healthy to Sentinel and in sync with
+        the primary."""
         try:
             replicas = self.sentinel.sentinel_slaves(self.service)
             healthy = [r for r in replicas if r["is_slave"] and not (r["is_sdown"] or r["is_disconnected"])]
             return len(healthy) >= len(self.ports) - 1 and self._replicas_in_sync()
-        except (redis.RedisError, OSError):
+        except (redis.RedisError, OSError, StopIteration):
             return False
 
     def _replicas_in_sync(self) -> bool:
+        """Each replica linked, and each acknowledging every write so far: a replica fresh from a full sync gets
+        the primary's writes only after its first acknowledgement (up to a second later), while the primary
+        already counts it for min-replicas-to-write."""
         primary = self.primary_port()
-        return all(redis.Redis(port=port).info("replication").get("master_link_status") == "up"
-                   for port in self.ports if port != primary)
+        others = [port for port in self.ports if port != primary]
+        linked = all(redis.Redis(port=port).info("replication").get("master_link_status") == "up" for port in others)
+        return linked and redis.Redis(port=primary).execute_command("WAIT", len(others), 500) >= len(others)
 
     def failover(self, timeout: float = 30) -> int:
         """Promote the replica now (`SENTINEL FAILOVER`); returns the new primary's port once Sentinel names
@@ -220,7 +225,7 @@ class SentinelGroup:
 
     def settle(self, timeout: float = 30) -> None:
         """Until the old primary follows the new one and Sentinel knows it again: ready to fail over back."""
-        wait_until(self._ready, timeout, "the demoted primary to follow the new one")
+        wait_until(self.ready, timeout, "the demoted primary to follow the new one")
 
     def stop(self) -> None:
         for process in reversed(self.processes):

@@ -1,9 +1,11 @@
 """The nemesis soak (bench/nemesis.py) in short: two gateways, three ENGINE=sim workers, a leading and a standby
-scheduler and Redis behind three sentinels, each its own process, under closed-loop streaming clients that resume
-on the other gateway, while every fault of the nemesis strikes at least once (kill -9 and SIGTERM of workers,
-gateways and the leading scheduler, a worker frozen past its TTL, a Sentinel failover and kill -9 of the primary,
-clients that vanish). Its checker's verdicts: nothing lost, duplicated or run twice, every text equal to the
-fault-free one, the vanished cancelled, no key left without a TTL and no slot held once the load has stopped."""
+scheduler and Redis behind three sentinels (a primary and a replica with min-replicas-to-write 1), each its own
+process, under closed-loop streaming clients that resume on the other gateway, while every fault of the nemesis
+strikes at least once (kill -9 and SIGTERM of workers, gateways and the leading scheduler, a worker frozen past
+its TTL, a Sentinel failover and kill -9 of the primary, clients that vanish, one worker's traffic to Redis
+delayed, and cut off past its TTL). Its checker's verdicts: nothing lost, duplicated or run twice, every text equal
+to the fault-free one, the vanished cancelled, no key left without a TTL and no slot held once the load has
+stopped."""
 
 from __future__ import annotations
 
@@ -23,11 +25,11 @@ def test_the_schedule_is_the_seeds_and_strikes_every_fault() -> None:
     assert [f.fault for f in plan] != [f.fault for f in other]
 
 
-# The fault of the services this soak found and that stays open (docs/faults.md, "Faults together"): the writes the
-# old primary takes in the seconds before Sentinel demotes it are dropped. The checker puts down to it what it
-# explains (bench/nemesis.py EXPLAINED: a request whose trace lost its start, one that lived through a failover's
-# window); the assignments it leaves held are tolerated here as a whole. Anything else fails, a request a woken
-# frozen worker ran twice included (fixed).
+# What Redis' asynchronous replication may still drop (docs/faults.md, "Faults together"): a primary killed with
+# kill -9 loses the writes it had not yet sent to its replica. The checker puts down to a failover what it explains
+# (bench/nemesis.py EXPLAINED: a request whose trace lost its start, one that lived through a failover's window);
+# the assignments such a loss would leave held are tolerated here as a whole. Anything else fails, a request a
+# woken frozen or partitioned worker wrote to after it moved included (both fixed).
 TOLERATED = {"held_after_settling"}
 
 
