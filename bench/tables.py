@@ -461,6 +461,27 @@ def nemesis(d: dict) -> tuple[str, Table]:
     return head, table
 
 
+def request_controls(d: dict) -> tuple[str, Table]:
+    i, p, q = d["idempotency"], d["priorities"], d["quotas"]
+    table = [["target", "measured"],
+             [f"{i['clients']} clients that drop their stream and retry it with the same Idempotency-Key: "
+              f"{i['clients']} requests run, not {2 * i['clients']}",
+              f"{i['requests_admitted']} admitted, {i['distinct_request_ids']} request ids, {i['texts_whole']} "
+              "texts whole and equal to the answer without a key"],
+             [f"priority 0 TTFT p50 at most a third of priority 10's ({p['streams']['0']} and {p['streams']['10']} "
+              f"streams on {p['slots']} slots)",
+              f"{ms(p['ttft_p50_s']['0'])} against {ms(p['ttft_p50_s']['10'])} ({ratio(p['ratio_0_over_10'])})"]]
+    for t in q["trials"]:
+        table.append([f"`{t['key']}` at {q['rpm']} requests a minute, on two gateways: Retry-After within 5% of "
+                      "the minute of the true reset", f"{t['retry_after_s']} s against {t['true_reset_s']:.2f} s "
+                      f"({t['error_share_of_minute']:.1%} of the minute); let through after it: "
+                      f"{t['let_through_after']}"])
+    worst = max(t["error_share_of_minute"] for t in q["trials"])
+    head = (f"idempotent retries: {i['requests_admitted']} of {i['clients']} run; priority 0 TTFT "
+            f"{ratio(p['ratio_0_over_10'])} of priority 10's; Retry-After at most {worst:.1%} of a minute off")
+    return head, table
+
+
 def sentinel_writes(d: dict) -> tuple[str, Table]:
     table = [["replicas", "min-replicas-to-write", "writes acknowledged", "lost (acknowledged, then gone)",
               "longest pause between two writes"]]
@@ -684,6 +705,8 @@ RENDERERS: dict[str, tuple[str, Callable[[dict], tuple[str, Table]]]] = {
     "nemesis": ("faults together under a steady load: workers, gateways and the scheduler killed (-9 and SIGTERM), a "
                 "worker frozen past its TTL, Sentinel failovers and a killed primary, clients that vanish; then a "
                 "checker over every request's history (bench/nemesis.py)", nemesis),
+    "request_controls": ("retries with an Idempotency-Key, priorities and per-key quotas on one worker of the "
+                         "default model behind two gateways (bench/request_controls.py)", request_controls),
     "sentinel_writes": ("one client appending through a `SENTINEL FAILOVER`: the writes it was told succeeded and "
                         "then lost, by how the Redis group runs (bench/sentinel_writes.py)", sentinel_writes),
     "batch_lane": ("a batch job in the background lane beside interactive streams, on one worker of the default "
