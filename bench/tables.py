@@ -703,8 +703,10 @@ RENDERERS: dict[str, tuple[str, Callable[[dict], tuple[str, Table]]]] = {
     "burst": ("a burst of 4x the queue limit", burst),
     "chaos": ("each fault with streams in flight", chaos),
     "nemesis": ("faults together under a steady load: workers, gateways and the scheduler killed (-9 and SIGTERM), a "
-                "worker frozen past its TTL, Sentinel failovers and a killed primary, clients that vanish; then a "
-                "checker over every request's history (bench/nemesis.py)", nemesis),
+                "worker frozen past its TTL, Sentinel failovers and a killed primary, clients that vanish, a worker's "
+                "traffic to Redis delayed and cut off; then a checker over every request's history "
+                "(bench/nemesis.py)", nemesis),
+    "nemesis-hf": ("the same on the real model (`--engine hf`: 4 clients, 32 tokens a stream)", nemesis),
     "request_controls": ("retries with an Idempotency-Key, priorities and per-key quotas on one worker of the "
                          "default model behind two gateways (bench/request_controls.py)", request_controls),
     "sentinel_writes": ("one client appending through a `SENTINEL FAILOVER`: the writes it was told succeeded and "
