@@ -40,3 +40,31 @@ def test_a_worker_that_wakes_after_its_streams_moved_publishes_none_of_them() ->
             finished_on = workers_of(stack.url, stream.request_id, "finished")
             assert len(finished_on) == 1 and finished_on[0] != frozen, finished_on
         assert frozen.encode() in redis.smembers(keys.workers)  # it serves again, with nothing of the old
+
+
+def test_a_worker_that_wakes_to_find_its_assignments_forgotten_ends_their_streams_with_an_error() -> None:
+    """Redis forgot the worker's assignments while it stood still (a cluster node restarted without its data), and
+    nobody moved its requests: their owner keys still name it. Without an end from it, those streams would stay open
+    and a resume of them would wait for ever. Found by a cluster test whose resumes hung."""
+    with sim_stack(1, NAMESPACE="forgotten", SIM_STEP_MS="20", SIM_STEP_PER_SEQ_MS="0", HEARTBEAT_INTERVAL="0.3",
+                   WORKER_TTL="2", LOG_LEVEL="INFO") as stack:
+        redis, keys = sync_client(stack.redis_url), Keys("forgotten")
+        bodies = [{"prompt": f"forgotten {i}", "max_tokens": TOKENS, "ignore_eos": True} for i in range(3)]
+        reading = read_in_background(stack.url, bodies)
+        wait_for(lambda: all(len(s.events) > 20 for s in reading.streams), 60, "every stream under way")
+        [worker] = [member.decode() for member in redis.smembers(keys.workers)]
+        # The scheduler stands still too, so that nothing takes the worker for lost and moves its requests.
+        stopped = [pid_of(redis.get(keys.lease).decode()), pid_of(worker)]
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            redis.delete(keys.assigned(worker))
+            time.sleep(2.5)
+            os.kill(pid_of(worker), signal.SIGCONT)
+            reading.join(30)
+        finally:
+            for pid in stopped:
+                os.kill(pid, signal.SIGCONT)
+        for stream in reading.streams:
+            assert stream.ended == "error" and stream.final["error"]["code"] == "redis_unavailable", stream.events[-1:]
+            assert stream.indexes == list(range(len(stream.indexes))) and len(stream.indexes) < TOKENS

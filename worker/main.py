@@ -339,12 +339,27 @@ class Worker:
 
     def _without_moved(self, result: StepResult) -> StepResult:
         """Drop the requests the scheduler moved to other workers while this one stood still (their assignments
-        here are gone): the others run them now, so this worker publishes nothing more of them, not even an end."""
+        here are gone and their owner keys name another worker, or none): the others run them now, so this worker
+        publishes nothing more of them, not even an end. An assignment gone while the owner key still names this
+        worker was not moved: Redis lost it (a node restarted empty), and nobody would ever end the request, so
+        this worker ends it with an error."""
         mine = list(self.timings)
-        held = self.redis.hmget(self.keys.assigned(self.id), mine) if mine else []
-        moved = {rid for rid, assignment in zip(mine, held, strict=True) if assignment is None}
+        if not mine:
+            return result
+        held = self.redis.hmget(self.keys.assigned(self.id), mine)
+        owners = self.redis.pipeline(transaction=False)
+        for rid in mine:
+            owners.get(self.keys.owner(rid))
+        named = owners.execute()
+        gone = [(rid, owner) for rid, assignment, owner in zip(mine, held, named, strict=True) if assignment is None]
+        moved = {rid for rid, owner in gone if owner != self.id.encode()}
+        forgotten = {rid for rid, owner in gone if owner == self.id.encode()}
         self._drop_moved(moved, "this worker stood still")
-        return StepResult(result.kind, [out for out in result.outputs if out.request_id not in moved])
+        for rid in forgotten:
+            self.engine.cancel(rid)
+            self._fail(rid, ErrorCode.REDIS_UNAVAILABLE, "Redis lost this request's assignment (a node restarted "
+                       "without its data) while the worker was cut off from it")
+        return StepResult(result.kind, [out for out in result.outputs if out.request_id not in moved | forgotten])
 
     def _drop_moved(self, moved: set[str], why: str) -> None:
         for rid in moved:
