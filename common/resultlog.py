@@ -25,13 +25,13 @@ from redis.crc import key_slot
 from common import scripts
 from common.clients import is_cluster, routed
 from common.keys import ENDED_OWNER_TTL_SECONDS, Keys
-from common.settings import Settings
+from common.settings import ResumeSettings
 
 # Entries before the results in a log: the byte count and the header.
 LOG_HEAD = 2
 
 
-def publish_results(pipe: Any, keys: Keys, settings: Settings, results: Iterable[tuple[str, bytes, int | str]],
+def publish_results(pipe: Any, keys: Keys, settings: ResumeSettings, results: Iterable[tuple[str, bytes, int | str]],
                     writer: str = "", ending: bool = False) -> list[list[str]]:
     """Queue on `pipe` (sync or asyncio, pipelined or not) the script calls publishing `results`, each
     (request_id, encoded result, token id or ''): one call on one server; in a cluster, one per slot, since

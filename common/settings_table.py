@@ -4,10 +4,9 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import fields
 from pathlib import Path
 
-from common.settings import OBSERVE, Settings
+from common.settings import CONCERNS, SERVICES, ObserveSettings, own_fields
 
 # Read by the OpenTelemetry exporter itself (common/tracing.py), not a field: shown in the table all the same.
 OTEL_ROW = ("OTEL_EXPORTER_OTLP_ENDPOINT", "(empty)", "where every service exports its OpenTelemetry spans (OTLP over "
@@ -18,17 +17,19 @@ BEGIN, END = "<!-- settings:begin (python -m common.settings_table) -->", "<!-- 
 
 
 def markdown() -> str:
-    """The README's tables of settings: one per concern, each variable with its default and meaning."""
-    rows: dict[str, list[tuple[str, str, str]]] = {}
-    for declared in fields(Settings):
-        meta = declared.metadata
-        default = meta["shown"] or (f"`{declared.default}`" if declared.default != "" else "(empty)")
-        rows.setdefault(meta["group"], []).append((declared.name.upper(), default, meta["doc"]))
-    rows[OBSERVE].append(OTEL_ROW)
+    """The README's tables of settings: one per concern, the services that read it, and each variable with its
+    default and meaning."""
     parts = []
-    for group, entries in rows.items():
-        parts += [f"**{group}**", "", "| variable | default | meaning |", "|---|---|---|"]
-        parts += [f"| `{name}` | {default} | {doc} |" for name, default, doc in entries]
+    for concern in CONCERNS:
+        readers = [service for service, settings in SERVICES.items() if issubclass(settings, concern)]
+        parts += [f"**{concern.title}** (read by {', '.join(readers) or 'the launcher'})", "",
+                  "| variable | default | meaning |", "|---|---|---|"]
+        for declared in own_fields(concern):
+            meta = declared.metadata
+            default = meta["shown"] or (f"`{declared.default}`" if declared.default != "" else "(empty)")
+            parts.append(f"| `{declared.name.upper()}` | {default} | {meta['doc']} |")
+        if concern is ObserveSettings:
+            parts.append("| `{}` | {} | {} |".format(*OTEL_ROW))
         parts.append("")
     return "\n".join(parts)
 

@@ -13,7 +13,7 @@ from common.journey import stamp
 from common.keys import REQUEST_STREAM_MAXLEN, Keys
 from common.protocol import ProtocolError, StreamMeta, Submit, encode
 from common.runtime import REDIS_ERRORS
-from common.settings import Settings
+from common.settings import GatewaySettings
 from gateway import metrics
 from gateway.leases import Leases
 
@@ -35,7 +35,7 @@ class Refused(Exception):
 
 
 class Admission:
-    def __init__(self, redis: Redis, keys: Keys, settings: Settings, leases: Leases, cluster: bool) -> None:
+    def __init__(self, redis: Redis, keys: Keys, settings: GatewaySettings, leases: Leases, cluster: bool) -> None:
         self.redis, self.keys, self.settings, self.leases = redis, keys, settings, leases
         self.limit, self.cluster = settings.max_message_bytes, cluster
         self.keyed, self.key_limit = settings.keyed(), settings.key_limit()

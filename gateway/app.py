@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 import uvicorn
 from fastapi import FastAPI
 
-from common.settings import Settings
+from common.settings import GatewaySettings
 from common.telemetry import setup_logging
 from common.tracing import Tracing
 from gateway import batches, errors, observe, openai_api, page, resume, routes, tokenize
@@ -22,7 +22,7 @@ from gateway.middleware import Guard, Traced
 UPLOAD_FRAMING = 64 << 10
 
 
-def create_app(settings: Settings) -> FastAPI:
+def create_app(settings: GatewaySettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.bus = Bus(settings)
@@ -58,7 +58,7 @@ def create_app(settings: Settings) -> FastAPI:
 
 
 def main() -> None:
-    settings = Settings.from_env()
+    settings = GatewaySettings.from_env()
     setup_logging("gateway", settings.log_level)
     protocol = limited_protocol(HeadLimits(settings.max_header_bytes, settings.header_timeout))
     uvicorn.run(create_app(settings), host=settings.gateway_host, port=settings.gateway_port, http=protocol,

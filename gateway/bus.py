@@ -10,7 +10,7 @@ from collections.abc import Awaitable
 from common.clients import async_client, is_cluster, parse_redis_url
 from common.keys import Keys
 from common.protocol import Detokenize, Tokenize
-from common.settings import Settings
+from common.settings import GatewaySettings
 from common.streams import StreamWriter
 from gateway.admission import Admission
 from gateway.cluster_view import ClusterView
@@ -26,7 +26,7 @@ POOL_WAIT_SECONDS = 30.0
 
 
 class Bus:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self.limit = settings.max_message_bytes
         self.keys = Keys(settings.namespace)

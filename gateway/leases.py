@@ -20,7 +20,7 @@ from common import scripts
 from common.clients import is_cluster
 from common.keys import Keys
 from common.runtime import REDIS_ERRORS, stop_task
-from common.settings import Settings
+from common.settings import GatewaySettings
 
 log = logging.getLogger("gateway")
 
@@ -29,7 +29,7 @@ LONGEST_INTERVAL = 1.0
 
 
 class Leases:
-    def __init__(self, redis: Any, keys: Keys, settings: Settings,
+    def __init__(self, redis: Any, keys: Keys, settings: GatewaySettings,
                  on_lapsed: Callable[[list[str]], Awaitable[None]]) -> None:
         self.redis = redis
         self.keys = keys

@@ -18,7 +18,7 @@ from common.keys import Keys
 from common.protocol import Cancel, Error, ProtocolError, Result, StreamMeta, Token, decode, encode
 from common.resultlog import LOG_HEAD, publish_results
 from common.runtime import REDIS_ERRORS
-from common.settings import Settings
+from common.settings import GatewaySettings
 from common.streams import StreamWriter
 from gateway import metrics
 from gateway.leases import Leases
@@ -27,7 +27,7 @@ log = logging.getLogger("gateway")
 
 
 class Ledger:
-    def __init__(self, redis: Redis, keys: Keys, settings: Settings, leases: Leases) -> None:
+    def __init__(self, redis: Redis, keys: Keys, settings: GatewaySettings, leases: Leases) -> None:
         self.redis, self.keys, self.settings, self.leases = redis, keys, settings, leases
         self.limit, self.key_limit = settings.max_message_bytes, settings.key_limit()
         self.keyed = settings.keyed()

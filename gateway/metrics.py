@@ -8,7 +8,7 @@ from contextvars import ContextVar
 from prometheus_client import Counter, Gauge, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from common.settings import Settings
+from common.settings import ModelSettings
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -18,7 +18,7 @@ MODEL_NAME: ContextVar[str] = ContextVar("model_name", default="")
 
 @functools.cache
 def _configured_model() -> str:
-    return Settings.from_env().model
+    return ModelSettings.from_env().model
 
 
 def model_name() -> str:

@@ -12,7 +12,7 @@ from common import scripts
 from common.keys import PAYLOAD, SCHEDULER_GROUP, Keys
 from common.protocol import RequestMessage, Submit
 from common.runtime import decode_or_drop
-from common.settings import Settings
+from common.settings import SchedulerSettings
 from scheduler.outcomes import Outcomes
 from scheduler.policy import Queued
 
@@ -23,7 +23,7 @@ CONSUMER = "scheduler"
 
 
 class Leadership:
-    def __init__(self, redis_client: redis.Redis, keys: Keys, settings: Settings, outcomes: Outcomes,
+    def __init__(self, redis_client: redis.Redis, keys: Keys, settings: SchedulerSettings, outcomes: Outcomes,
                  scheduler_id: str) -> None:
         self.redis, self.keys, self.settings, self.outcomes = redis_client, keys, settings, outcomes
         self.id = scheduler_id

@@ -30,7 +30,7 @@ from common.errors import ErrorCode
 from common.keys import OWNER_TTL_SECONDS, PAYLOAD, SCHEDULER_GROUP, WORKER_KEYS_TTL_SECONDS, Keys
 from common.protocol import Batch, Cancel, Finished, Handoff, RequestMessage, Returned, Submit, WorkerEvent, encode, now
 from common.runtime import REDIS_ERRORS, Backoff, decode_or_drop, redis_trouble, service_id
-from common.settings import Settings
+from common.settings import SchedulerSettings
 from common.streams import StreamWriter
 from common.telemetry import serve_metrics, setup_logging
 from common.tracing import Tracing
@@ -55,7 +55,7 @@ log = logging.getLogger("scheduler")
 
 
 class Scheduler:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: SchedulerSettings) -> None:
         self.settings = settings
         self.tracing = Tracing("scheduler")
         self.keys = Keys(settings.namespace)
@@ -306,7 +306,7 @@ class Scheduler:
 
 
 def main() -> None:
-    settings = Settings.from_env()
+    settings = SchedulerSettings.from_env()
     setup_logging("scheduler", settings.log_level)
     serve_metrics(settings.scheduler_metrics_port, "scheduler")
     scheduler = Scheduler(settings)

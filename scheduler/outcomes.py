@@ -14,7 +14,7 @@ from common.journey import stamp
 from common.keys import DEAD_LETTER_MAXLEN, SCHEDULER_GROUP, Keys
 from common.protocol import Error, Submit, encode, now
 from common.resultlog import publish_results
-from common.settings import Settings
+from common.settings import SchedulerSettings
 from scheduler import metrics
 from scheduler.policy import Queued
 
@@ -22,7 +22,7 @@ log = logging.getLogger("scheduler")
 
 
 class Outcomes:
-    def __init__(self, keys: Keys, settings: Settings) -> None:
+    def __init__(self, keys: Keys, settings: SchedulerSettings) -> None:
         self.keys, self.settings, self.limit = keys, settings, settings.max_message_bytes
         self.counts = QueueCounts(keys)
 

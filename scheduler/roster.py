@@ -13,7 +13,7 @@ from common.errors import ErrorCode
 from common.keys import OWNER_TTL_SECONDS, WORKER_KEYS_TTL_SECONDS, Keys
 from common.protocol import ProtocolError, Submit, encode, now
 from common.runtime import decode_or_drop, parse_heartbeats
-from common.settings import Settings
+from common.settings import SchedulerSettings
 from common.streams import StreamWriter
 from scheduler import metrics
 from scheduler.outcomes import Outcomes
@@ -23,7 +23,7 @@ log = logging.getLogger("scheduler")
 
 
 class Roster:
-    def __init__(self, redis_client: redis.Redis, keys: Keys, settings: Settings, outcomes: Outcomes,
+    def __init__(self, redis_client: redis.Redis, keys: Keys, settings: SchedulerSettings, outcomes: Outcomes,
                  read_events: Callable[[], object]) -> None:
         """`read_events`: consume the worker events waiting (before a worker is handled as lost)."""
         self.redis, self.keys, self.settings, self.outcomes = redis_client, keys, settings, outcomes

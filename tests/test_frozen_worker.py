@@ -13,8 +13,19 @@ from common.clients import sync_client
 from common.keys import Keys
 from tests.conftest import pid_of, sim_stack, wait_for, workers_of
 from tests.sse import read_in_background
+from worker.ownership import sort_out
 
 TOKENS = 300
+
+
+def test_a_request_without_its_assignment_is_moved_unless_its_owner_still_names_this_worker() -> None:
+    rids = ["kept", "moved", "ended", "taken", "old", "forgotten"]
+    assignments = [b"submit", None, None, None, None, None]
+    # "ended" and "moved": owner '' (the scheduler moved it, or it ended); "taken": another worker's; "old": no owner
+    # key (a scheduler of before the fence); "forgotten": still this worker's.
+    owners = [b"w1", b"", b"", b"w2", None, b"w1"]
+    found = sort_out("w1", rids, assignments, owners)
+    assert found.moved == {"moved", "ended", "taken", "old"} and found.forgotten == {"forgotten"}
 
 
 def test_a_worker_that_wakes_after_its_streams_moved_publishes_none_of_them() -> None:

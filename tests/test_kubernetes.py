@@ -19,7 +19,8 @@ import pytest
 import yaml
 
 from common.keys import Keys
-from common.settings import OWN_ENGINE_SLOTS, env_names
+from common.settings import env_names
+from common.settings_engine import OWN_ENGINE_SLOTS
 from llmserve.launcher import SERVICE_COMMANDS
 from tests.test_compose import compose
 

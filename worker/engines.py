@@ -9,7 +9,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from common.settings import Settings
+from common.settings import WorkerSettings
 from worker.core import Engine, Model
 from worker.prefix import cache_bytes
 
@@ -37,7 +37,7 @@ def choose(setting: str, cuda: bool, vllm_installed: bool, gguf_architecture: st
     return "hf"
 
 
-def gguf_architecture(settings: Settings) -> str | None:
+def gguf_architecture(settings: WorkerSettings) -> str | None:
     """`general.architecture` of the GGUF file MODEL and MODEL_FILE name, if they name one."""
     from worker.prompts import gguf_path
 
@@ -60,13 +60,13 @@ def cuda_visible() -> bool:
     return torch.cuda.is_available()
 
 
-def _static(settings: Settings) -> bool:
+def _static(settings: WorkerSettings) -> bool:
     if settings.worker_batching not in ("continuous", "static"):
         raise ValueError(f"WORKER_BATCHING={settings.worker_batching!r}: expected continuous or static")
     return settings.worker_batching == "static"
 
 
-def _sim(settings: Settings) -> tuple[Model, Engine]:
+def _sim(settings: WorkerSettings) -> tuple[Model, Engine]:
     from worker.sim import SimEngine, SimModel
 
     model = SimModel()
@@ -74,14 +74,14 @@ def _sim(settings: Settings) -> tuple[Model, Engine]:
                             settings.sim_step_per_seq_ms / 1000, _static(settings))
 
 
-def _hf(settings: Settings) -> tuple[Model, Engine]:
+def _hf(settings: WorkerSettings) -> tuple[Model, Engine]:
     # Imported here: an ENGINE=sim worker never loads torch.
     from worker.own.model import load_model
 
     return own_engine(settings, load_model(settings))
 
 
-def own_engine(settings: Settings, loaded: LoadedModel) -> tuple[Model, Engine]:
+def own_engine(settings: WorkerSettings, loaded: LoadedModel) -> tuple[Model, Engine]:
     """The own engine (ENGINE=hf) on a loaded model."""
     from worker.own.engine import Engine as ModelEngine
 
@@ -93,7 +93,7 @@ def own_engine(settings: Settings, loaded: LoadedModel) -> tuple[Model, Engine]:
                                prefix_bytes)
 
 
-def _vllm(settings: Settings) -> tuple[Model, Engine]:
+def _vllm(settings: WorkerSettings) -> tuple[Model, Engine]:
     if _static(settings):
         raise ValueError("WORKER_BATCHING=static is the own engine's (ENGINE=hf); vLLM batches continuously")
     if not vllm_installed():
@@ -107,7 +107,7 @@ def llamacpp_installed() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def _llamacpp(settings: Settings) -> tuple[Model, Engine]:
+def _llamacpp(settings: WorkerSettings) -> tuple[Model, Engine]:
     if not llamacpp_installed():
         raise ValueError("ENGINE=llamacpp needs llama-cpp-python built for this CPU: `make .venv/.llamacpp` "
                          "(or pip install 'llmserve[llamacpp]')")
@@ -116,11 +116,11 @@ def _llamacpp(settings: Settings) -> tuple[Model, Engine]:
     return llamacpp_engine.build(settings)
 
 
-BUILDERS: dict[str, Callable[[Settings], tuple[Model, Engine]]] = {"sim": _sim, "hf": _hf, "vllm": _vllm,
-                                                                   "llamacpp": _llamacpp}
+BUILDERS: dict[str, Callable[[WorkerSettings], tuple[Model, Engine]]] = {
+    "sim": _sim, "hf": _hf, "vllm": _vllm, "llamacpp": _llamacpp}
 
 
-def build(settings: Settings) -> tuple[Model, Engine]:
+def build(settings: WorkerSettings) -> tuple[Model, Engine]:
     name = settings.engine
     if name == "auto":
         cuda = cuda_visible()

@@ -14,14 +14,14 @@ import redis
 from common.keys import Keys
 from common.protocol import Heartbeat, encode, now
 from common.runtime import REDIS_ERRORS
-from common.settings import Settings
+from common.settings import WorkerSettings
 from worker import metrics
 
 log = logging.getLogger("worker")
 
 
 class Heartbeats:
-    def __init__(self, client: redis.Redis, keys: Keys, settings: Settings, worker_id: str,
+    def __init__(self, client: redis.Redis, keys: Keys, settings: WorkerSettings, worker_id: str,
                  compose: Callable[[], Heartbeat]) -> None:
         self.redis, self.keys, self.settings, self.id, self.compose = client, keys, settings, worker_id, compose
         self.beating = True

@@ -35,13 +35,14 @@ from common.protocol import (
 )
 from common.resultlog import publish_results, refused
 from common.runtime import REDIS_ERRORS, Backoff, decode_or_drop, parse_heartbeats, redis_trouble, service_id
-from common.settings import Settings
+from common.settings import WorkerSettings
 from common.streams import StreamWriter
 from common.telemetry import serve_metrics, setup_logging
 from common.tracing import Tracing
 from worker import compat_metrics, engines, metrics
 from worker.core import Engine, GrammarError, Model, PromptInvalid, PromptTooLong, StepOutput, StepResult
 from worker.heartbeat import Heartbeats
+from worker.ownership import standing
 from worker.timing import Timing
 
 log = logging.getLogger("worker")
@@ -49,7 +50,7 @@ log = logging.getLogger("worker")
 PROGRESS_TTL_SECONDS = 3600
 
 class Worker:
-    def __init__(self, settings: Settings, loaded: Model, engine: Engine) -> None:
+    def __init__(self, settings: WorkerSettings, loaded: Model, engine: Engine) -> None:
         self.settings = settings
         self.keys = Keys(settings.namespace)
         self.streams = StreamWriter(self.keys, settings.max_message_bytes)
@@ -338,28 +339,16 @@ class Worker:
         self._drop_moved(refused(calls, pipe.execute()), "its writes reached Redis after the request moved")
 
     def _without_moved(self, result: StepResult) -> StepResult:
-        """Drop the requests the scheduler moved to other workers while this one stood still (their assignments
-        here are gone and their owner keys name another worker, or none): the others run them now, so this worker
-        publishes nothing more of them, not even an end. An assignment gone while the owner key still names this
-        worker was not moved: Redis lost it (a node restarted empty), and nobody would ever end the request, so
-        this worker ends it with an error."""
-        mine = list(self.timings)
-        if not mine:
-            return result
-        held = self.redis.hmget(self.keys.assigned(self.id), mine)
-        owners = self.redis.pipeline(transaction=False)
-        for rid in mine:
-            owners.get(self.keys.owner(rid))
-        named = owners.execute()
-        gone = [(rid, owner) for rid, assignment, owner in zip(mine, held, named, strict=True) if assignment is None]
-        moved = {rid for rid, owner in gone if owner != self.id.encode()}
-        forgotten = {rid for rid, owner in gone if owner == self.id.encode()}
-        self._drop_moved(moved, "this worker stood still")
-        for rid in forgotten:
+        """The step's results less those of requests no longer this worker's (worker/ownership.py): the moved
+        dropped, the forgotten ended with an error."""
+        found = standing(self.redis, self.keys, self.id, list(self.timings))
+        self._drop_moved(found.moved, "this worker stood still")
+        for rid in found.forgotten:
             self.engine.cancel(rid)
             self._fail(rid, ErrorCode.REDIS_UNAVAILABLE, "Redis lost this request's assignment (a node restarted "
                        "without its data) while the worker was cut off from it")
-        return StepResult(result.kind, [out for out in result.outputs if out.request_id not in moved | forgotten])
+        gone = found.moved | found.forgotten
+        return StepResult(result.kind, [out for out in result.outputs if out.request_id not in gone])
 
     def _drop_moved(self, moved: set[str], why: str) -> None:
         for rid in moved:
@@ -393,14 +382,10 @@ class Worker:
         self.streams.event(pipe, Finished(self.id, request_id))
 
 
-def build_engine(settings: Settings) -> tuple[Model, Engine]:
-    return engines.build(settings)
-
-
 def main() -> None:
-    settings = Settings.from_env()
+    settings = WorkerSettings.from_env()
     setup_logging("worker", settings.log_level)
-    worker = Worker(settings, *build_engine(settings))
+    worker = Worker(settings, *engines.build(settings))
     worker.metrics_port = serve_metrics(settings.worker_metrics_port, "worker")
 
     def drain(_signum: int, _frame: object) -> None:

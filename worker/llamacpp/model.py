@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from common.settings import Settings
+from common.settings import WorkerSettings
 from worker.llamacpp.library import Context
 from worker.own.grammar import Grammars
 from worker.prompts import Prompts, end_tokens, gguf_path, source
@@ -38,7 +38,7 @@ class LlamaCppModel(Prompts):
         return Grammars(self.tokenizer, self.vocab, self.eos_token_ids)
 
 
-def gguf_file(settings: Settings) -> str:
+def gguf_file(settings: WorkerSettings) -> str:
     found = gguf_path(settings)
     if found is None:
         path, extra = source(settings)
@@ -48,11 +48,11 @@ def gguf_file(settings: Settings) -> str:
     return found
 
 
-def threads(settings: Settings) -> int:
+def threads(settings: WorkerSettings) -> int:
     return settings.worker_threads if settings.worker_threads > 0 else (os.cpu_count() or 1)
 
 
-def load(settings: Settings, slots: int, batch: int) -> LlamaCppModel:
+def load(settings: WorkerSettings, slots: int, batch: int) -> LlamaCppModel:
     """The file in llama.cpp, a context of `slots` sequences and `batch` tokens a step, and its tokenizer."""
     file = gguf_file(settings)
     path, extra = source(settings)

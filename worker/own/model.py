@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from common.settings import Settings
+from common.settings import WorkerSettings
 from worker.own.grammar import Grammars
 from worker.prompts import Prompts, end_tokens, gguf_path, source
 from worker.weights import paths, quant
@@ -66,7 +66,7 @@ def pick_rows(logits: torch.Tensor, width: int, last: torch.Tensor | None) -> to
     return logits[torch.arange(len(logits), device=logits.device), last - (width - kept)]
 
 
-def _device_and_dtype(settings: Settings) -> tuple[torch.device, torch.dtype]:
+def _device_and_dtype(settings: WorkerSettings) -> tuple[torch.device, torch.dtype]:
     device_name = settings.worker_device
     if device_name == "auto":
         device_name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -77,7 +77,7 @@ def _device_and_dtype(settings: Settings) -> tuple[torch.device, torch.dtype]:
     return device, dtypes[settings.worker_dtype]
 
 
-def load_model(settings: Settings) -> LoadedModel:
+def load_model(settings: WorkerSettings) -> LoadedModel:
     if settings.worker_threads > 0:
         torch.set_num_threads(settings.worker_threads)
     path, extra = source(settings)

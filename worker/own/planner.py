@@ -7,12 +7,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from common.settings import Settings
+from common.settings import WorkerSettings
 from worker.core import StepKind
 from worker.own.sequences import PrefillGroup, Sequence
 from worker.prefix import PrefixStore
 
-DEFAULT_CHUNK = Settings.prefill_chunk
+DEFAULT_CHUNK = WorkerSettings.prefill_chunk
 # Prompt tokens a prefill step may take while no sequence is running, and one forward of several blocks at most.
 IDLE_PASS_TOKENS = 256
 # Cached keys whose attention costs a prompt token about as much as the rest of its forward (the default model on

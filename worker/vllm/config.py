@@ -11,7 +11,7 @@ import shlex
 from typing import Any, NoReturn
 
 from common.errors import SettingsError
-from common.settings import Settings
+from common.settings import WorkerSettings
 from worker.vllm.model import engine_arguments
 
 # Flags that name what other settings own: the model is MODEL (and MODEL_FILE), the one the gateway routes by.
@@ -45,7 +45,7 @@ def given_flags(text: str) -> dict[str, Any]:
     return given
 
 
-def engine_args(settings: Settings, path: str, cuda: bool) -> Any:
+def engine_args(settings: WorkerSettings, path: str, cuda: bool) -> Any:
     """vLLM's EngineArgs: the settings' arguments, VLLM_ENGINE_ARGS's flags over them."""
     from vllm.engine.arg_utils import EngineArgs
 
@@ -53,7 +53,7 @@ def engine_args(settings: Settings, path: str, cuda: bool) -> Any:
     return EngineArgs(**{**engine_arguments(settings, path, cuda), **given})
 
 
-def engine_config(settings: Settings, path: str, cuda: bool) -> Any:
+def engine_config(settings: WorkerSettings, path: str, cuda: bool) -> Any:
     """The VllmConfig the worker's engine runs, made in `vllm serve`'s usage context. Values vLLM refuses
     together (its configs check them) fail the start naming the variable, as a bad setting does."""
     from vllm.usage.usage_lib import UsageContext

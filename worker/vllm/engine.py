@@ -27,7 +27,7 @@ from typing import Any
 
 from common.errors import ErrorCode
 from common.protocol import SamplingParams, TokenLogprob
-from common.settings import Settings, env_names
+from common.settings import WorkerSettings, env_names
 from worker.core import GrammarError, StepKind, StepOutput, StepResult
 from worker.output import OutputProcessor, SequenceText
 from worker.prefix import HeldPrefixes
@@ -320,7 +320,7 @@ def presence_processor(interface: str) -> type | None:
     return None
 
 
-def build(settings: Settings) -> tuple[VllmModel, VllmEngine]:
+def build(settings: WorkerSettings) -> tuple[VllmModel, VllmEngine]:
     """Load vLLM with our settings and VLLM_ENGINE_ARGS (worker/vllm/config.py): the model written from its GGUF
     file if it is one, the engine core in this process, the presence penalty of migrated requests on the model
     runner vLLM picks (worker/vllm/resume.py); the heartbeat's slots are vLLM's max_num_seqs."""

@@ -17,7 +17,7 @@ from typing import Any
 
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
-from common.settings import DEFAULT_MODEL, Settings
+from common.settings import DEFAULT_MODEL, WorkerSettings
 from worker.prompts import BUNDLED_GGUF, Prompts, bundled_dir, end_tokens
 
 log = logging.getLogger("worker")
@@ -50,7 +50,7 @@ def cache_root() -> str:
     return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "llmserve", "hf")
 
 
-def gguf_source(settings: Settings) -> tuple[str, str] | None:
+def gguf_source(settings: WorkerSettings) -> tuple[str, str] | None:
     """(directory, file) of the GGUF file the weights come from, when they do."""
     if settings.model == DEFAULT_MODEL:
         return bundled_dir(), BUNDLED_GGUF
@@ -70,7 +70,7 @@ def converted_dir(gguf_path: str, root: str, weights_dtype: str = "float32") -> 
     return os.path.join(root, f"{stem}-{tag}{suffix}")
 
 
-def hf_directory(settings: Settings, root: str | None = None, cuda: bool = False) -> str:
+def hf_directory(settings: WorkerSettings, root: str | None = None, cuda: bool = False) -> str:
     """The directory (or hub id) vLLM loads for MODEL: a Hugging Face directory or id as it is; a GGUF file
     written out once as safetensors with its tokenizer, in the dtype vLLM serves it in (WORKER_DTYPE: bfloat16
     on a GPU, float32 on CPU), so that a GPU never holds a float32 copy."""
@@ -112,7 +112,7 @@ def write_hf_directory(directory: str, gguf_file: str, target: str, weights_dtyp
         raise
 
 
-def load_tokenizer_model(settings: Settings, path: str, max_model_len: int) -> VllmModel:
+def load_tokenizer_model(settings: WorkerSettings, path: str, max_model_len: int) -> VllmModel:
     tokenizer = AutoTokenizer.from_pretrained(path)
     config = AutoConfig.from_pretrained(path)
     generation = _generation_eos(path)
@@ -144,7 +144,7 @@ def dtype(setting: str, cuda: bool) -> str:
     return "bfloat16" if cuda else "float32"
 
 
-def engine_arguments(settings: Settings, path: str, cuda: bool) -> dict[str, Any]:
+def engine_arguments(settings: WorkerSettings, path: str, cuda: bool) -> dict[str, Any]:
     """vLLM's EngineArgs for our settings (VLLM_ENGINE_ARGS's flags go over them: worker/vllm/config.py): vLLM's
     prefix cache, the guidance (llguidance) backend for the grammars the gateway built, log-probabilities as many
     as the API allows, and WORKER_SLOTS sequences at once and VLLM_GPU_MEMORY_UTILIZATION where they are set
@@ -170,7 +170,7 @@ def engine_arguments(settings: Settings, path: str, cuda: bool) -> dict[str, Any
     return arguments
 
 
-def cpu_environment(settings: Settings) -> dict[str, str]:
+def cpu_environment(settings: WorkerSettings) -> dict[str, str]:
     """What vLLM's CPU backend reads from the environment: its KV-cache size (whole GiB), and the worker's
     threads for torch (WORKER_THREADS, else every core: vLLM takes one thread alone on a small machine)."""
     env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(settings.vllm_kv_cache_gb or CPU_KV_CACHE_GB)))}

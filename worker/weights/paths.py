@@ -10,7 +10,7 @@ import logging
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from common.settings import Settings
+from common.settings import WorkerSettings
 from worker.weights import blocks, from_file, native, quant, rope
 
 log = logging.getLogger("worker")
@@ -35,7 +35,7 @@ def choose(setting: str, device: torch.device, gguf_file: str | None, int8_suppo
     return "gguf" if gguf_file else "int8" if int8_supported else "none"
 
 
-def load(settings: Settings, chosen: str, source: str, extra: dict[str, str], device: torch.device,
+def load(settings: WorkerSettings, chosen: str, source: str, extra: dict[str, str], device: torch.device,
          dtype: torch.dtype, gguf_file: str | None) -> tuple[PreTrainedModel, str]:
     """The model on its path (choose's answer), and the path it took. The GGUF blocks build the model from the file
     alone (worker/weights/from_file.py); every other path, and the blocks' fallback, loads transformers' model."""
@@ -52,7 +52,7 @@ def load(settings: Settings, chosen: str, source: str, extra: dict[str, str], de
     return model, apply(model, chosen, settings)
 
 
-def _model_on_blocks(settings: Settings, source: str, extra: dict[str, str], dtype: torch.dtype,
+def _model_on_blocks(settings: WorkerSettings, source: str, extra: dict[str, str], dtype: torch.dtype,
                      gguf_file: str | None, fallback: str) -> PreTrainedModel | None:
     """The model on the file's blocks; None where they cannot serve it and WORKER_QUANT=auto (a warning says why
     and names the `fallback` path), ValueError where WORKER_QUANT=gguf asked for them."""
@@ -70,13 +70,13 @@ def _model_on_blocks(settings: Settings, source: str, extra: dict[str, str], dty
         return None
 
 
-def _log_kernels(settings: Settings) -> None:
+def _log_kernels(settings: WorkerSettings) -> None:
     blocks_level, attention_level = native.cap(settings.worker_isa)
     log.info("kernels", extra={"isa": settings.worker_isa, "blocks_level": blocks_level,
                                "attention_level": attention_level})
 
 
-def apply(model: PreTrainedModel, path: str, settings: Settings) -> str:
+def apply(model: PreTrainedModel, path: str, settings: WorkerSettings) -> str:
     """Put transformers' loaded model on `path` (int8 or none; the blocks build their own: `load`); returns the
     path it took."""
     kernels = path != "none" and native.load(settings.worker_native)
@@ -89,7 +89,7 @@ def apply(model: PreTrainedModel, path: str, settings: Settings) -> str:
     return path
 
 
-def _take_int8(model: PreTrainedModel, settings: Settings, kernels: bool) -> str:
+def _take_int8(model: PreTrainedModel, settings: WorkerSettings, kernels: bool) -> str:
     """int8, where its row-wise attention computes the model's; else float32 with a warning (`auto`), or a stop at
     start (`int8`): never a worker that starts and then fails every request."""
     why = quant.attention_unserved(model)
