@@ -8,14 +8,33 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import redis
 
 from common.clients import sync_client
 from common.keys import Keys
+from harness.stacks import PrivateStack
 from tests.conftest import pid_of, sim_stack, wait_for, workers_of
-from tests.sse import read_in_background
+from tests.sse import Reading, read_in_background
 from worker.ownership import sort_out
 
 TOKENS = 300
+
+
+@contextmanager
+def streaming(namespace: str, streams: int) -> Iterator[tuple[PrivateStack, redis.Redis, Keys, Reading, str]]:
+    """A sim stack of one worker (WORKER_TTL 2 s) with `streams` long streams under way: the stack, its Redis, its
+    keys, the streams being read, and the worker's id."""
+    with sim_stack(1, NAMESPACE=namespace, SIM_STEP_MS="20", SIM_STEP_PER_SEQ_MS="0", HEARTBEAT_INTERVAL="0.3",
+                   WORKER_TTL="2", LOG_LEVEL="INFO") as stack:
+        client, keys = sync_client(stack.redis_url), Keys(namespace)
+        bodies = [{"prompt": f"{namespace} {i}", "max_tokens": TOKENS, "ignore_eos": True} for i in range(streams)]
+        reading = read_in_background(stack.url, bodies)
+        wait_for(lambda: all(len(s.events) > 20 for s in reading.streams), 60, "every stream under way")
+        [worker] = [member.decode() for member in client.smembers(keys.workers)]
+        yield stack, client, keys, reading, worker
 
 
 def test_a_request_without_its_assignment_is_moved_unless_its_owner_still_names_this_worker() -> None:
@@ -29,17 +48,12 @@ def test_a_request_without_its_assignment_is_moved_unless_its_owner_still_names_
 
 
 def test_a_worker_that_wakes_after_its_streams_moved_publishes_none_of_them() -> None:
-    with sim_stack(1, NAMESPACE="frozen", SIM_STEP_MS="20", SIM_STEP_PER_SEQ_MS="0", HEARTBEAT_INTERVAL="0.3",
-                   WORKER_TTL="2", LOG_LEVEL="INFO") as stack:
-        redis, keys = sync_client(stack.redis_url), Keys("frozen")
-        bodies = [{"prompt": f"frozen {i}", "max_tokens": TOKENS, "ignore_eos": True} for i in range(4)]
-        reading = read_in_background(stack.url, bodies)
-        wait_for(lambda: all(len(s.events) > 20 for s in reading.streams), 60, "every stream under way")
-        [frozen] = [member.decode() for member in redis.smembers(keys.workers)]
+    with streaming("frozen", 4) as (stack, client, keys, reading, frozen):
         os.kill(pid_of(frozen), signal.SIGSTOP)
         stack.stack.spawn("worker")
         try:
-            wait_for(lambda: frozen.encode() not in redis.smembers(keys.workers), 30, "the frozen worker taken as lost")
+            wait_for(lambda: frozen.encode() not in client.smembers(keys.workers), 30,
+                     "the frozen worker taken as lost")
             wait_for(lambda: all(len(workers_of(stack.url, s.request_id)) == 2 for s in reading.streams), 30,
                      "every stream dispatched to the other worker")
         finally:
@@ -50,26 +64,20 @@ def test_a_worker_that_wakes_after_its_streams_moved_publishes_none_of_them() ->
             assert stream.ended == "done" and stream.indexes == list(range(TOKENS))
             finished_on = workers_of(stack.url, stream.request_id, "finished")
             assert len(finished_on) == 1 and finished_on[0] != frozen, finished_on
-        assert frozen.encode() in redis.smembers(keys.workers)  # it serves again, with nothing of the old
+        assert frozen.encode() in client.smembers(keys.workers)  # it serves again, with nothing of the old
 
 
 def test_a_worker_that_wakes_to_find_its_assignments_forgotten_ends_their_streams_with_an_error() -> None:
     """Redis forgot the worker's assignments while it stood still (a cluster node restarted without its data), and
     nobody moved its requests: their owner keys still name it. Without an end from it, those streams would stay open
     and a resume of them would wait for ever. Found by a cluster test whose resumes hung."""
-    with sim_stack(1, NAMESPACE="forgotten", SIM_STEP_MS="20", SIM_STEP_PER_SEQ_MS="0", HEARTBEAT_INTERVAL="0.3",
-                   WORKER_TTL="2", LOG_LEVEL="INFO") as stack:
-        redis, keys = sync_client(stack.redis_url), Keys("forgotten")
-        bodies = [{"prompt": f"forgotten {i}", "max_tokens": TOKENS, "ignore_eos": True} for i in range(3)]
-        reading = read_in_background(stack.url, bodies)
-        wait_for(lambda: all(len(s.events) > 20 for s in reading.streams), 60, "every stream under way")
-        [worker] = [member.decode() for member in redis.smembers(keys.workers)]
+    with streaming("forgotten", 3) as (_, client, keys, reading, worker):
         # The scheduler stands still too, so that nothing takes the worker for lost and moves its requests.
-        stopped = [pid_of(redis.get(keys.lease).decode()), pid_of(worker)]
+        stopped = [pid_of(client.get(keys.lease).decode()), pid_of(worker)]
         for pid in stopped:
             os.kill(pid, signal.SIGSTOP)
         try:
-            redis.delete(keys.assigned(worker))
+            client.delete(keys.assigned(worker))
             time.sleep(2.5)
             os.kill(pid_of(worker), signal.SIGCONT)
             reading.join(30)
