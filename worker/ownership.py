@@ -31,10 +31,12 @@ def sort_out(worker_id: str, request_ids: list[str], assignments: list[bytes | N
 
 
 def standing(client: redis.Redis, keys: Keys, worker_id: str, request_ids: list[str]) -> Standing:
+    """The same, read from Redis in one round trip: the worker's assignments, then each request's owner."""
     if not request_ids:
         return Standing()
-    assignments = client.hmget(keys.assigned(worker_id), request_ids)
-    owners = client.pipeline(transaction=False)
+    pipe = client.pipeline(transaction=False)
+    pipe.hmget(keys.assigned(worker_id), request_ids)
     for rid in request_ids:  # each in its request's slot
-        owners.get(keys.owner(rid))
-    return sort_out(worker_id, request_ids, assignments, owners.execute())
+        pipe.get(keys.owner(rid))
+    assignments, *owners = pipe.execute()
+    return sort_out(worker_id, request_ids, assignments, owners)
