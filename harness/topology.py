@@ -14,6 +14,7 @@ from typing import Protocol, TypeVar
 
 import redis
 
+from llmserve.launcher import redis_command, redis_reachable
 from llmserve.processes import free_port, popen, port_free, redis_server_binary, wait_until
 
 # A cluster node also listens on its port + 10000 (the cluster bus).
@@ -39,16 +40,9 @@ def free_node_port(taken: set[int]) -> int:
     raise RuntimeError("no free port pair for a cluster node")
 
 
-def _pings(port: int) -> bool:
-    try:
-        return bool(redis.Redis(port=port, socket_connect_timeout=0.5).ping())
-    except (redis.RedisError, OSError):
-        return False
-
-
-def _server_args(port: int) -> list[str]:
-    return [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-            "--maxmemory", "1gb", "--maxmemory-policy", "noeviction"]
+def node_url(port: int) -> str:
+    """The REDIS_URL of one server on loopback `port`."""
+    return f"redis://127.0.0.1:{port}"
 
 
 @dataclass
@@ -67,7 +61,7 @@ class Cluster:
 
     def _spawn(self, index: int) -> subprocess.Popen[bytes]:
         port = self.ports[index]
-        return popen([*_server_args(port), "--dir", self.workdir.name, "--dbfilename", f"dump-{port}.rdb",
+        return popen([*redis_command(port), "--dir", self.workdir.name, "--dbfilename", f"dump-{port}.rdb",
                       "--repl-diskless-sync-delay", "0", "--cluster-enabled", "yes",
                       "--cluster-config-file", f"nodes-{port}.conf", "--cluster-node-timeout", str(NODE_TIMEOUT_MS)],
                      stdout=subprocess.DEVNULL)
@@ -75,7 +69,7 @@ class Cluster:
     def start(self) -> None:
         self.processes = [self._spawn(i) for i in range(len(self.ports))]
         for port in self.ports:
-            wait_until(lambda port=port: _pings(port), 10, f"cluster node on port {port}")
+            wait_until(lambda port=port: redis_reachable(node_url(port)), 10, f"cluster node on port {port}")
         cli = shutil.which("redis-cli")
         if cli is None:
             raise RuntimeError("redis-cli is needed to join the cluster")
@@ -108,7 +102,7 @@ class Cluster:
     def restart(self, index: int) -> None:
         """The node again, from its cluster configuration: it serves its slots as before."""
         self.processes[index] = self._spawn(index)
-        wait_until(lambda: _pings(self.ports[index]), 10, "the restarted node")
+        wait_until(lambda: redis_reachable(node_url(self.ports[index])), 10, "the restarted node")
         self.wait_ok()
 
     def stop(self) -> None:
@@ -172,7 +166,7 @@ class SentinelGroup:
         self.processes.append(self.data_server(first))
         self.processes += [self.data_server(port, replica_of=first) for port in others]
         for port in self.ports:
-            wait_until(lambda port=port: _pings(port), 10, f"redis-server on port {port}")
+            wait_until(lambda port=port: redis_reachable(node_url(port)), 10, f"redis-server on port {port}")
         self.processes.append(self.sentinel_server(self.sentinel_port, first, quorum=1))
         wait_until(self.ready, 30, "the replicas in sync and known to Sentinel")
 
@@ -181,7 +175,7 @@ class SentinelGroup:
         replica = ["--replicaof", "127.0.0.1", str(replica_of)] if replica_of is not None else []
         durable = (["--min-replicas-to-write", str(self.write_replicas), "--min-replicas-max-lag", "2"]
                    if self.write_replicas else [])
-        return popen([*_server_args(port), "--dir", self.workdir.name, "--dbfilename", f"dump-{port}.rdb",
+        return popen([*redis_command(port), "--dir", self.workdir.name, "--dbfilename", f"dump-{port}.rdb",
                       "--repl-diskless-sync-delay", "0", *durable, *replica], stdout=subprocess.DEVNULL)
 
     def sentinel_server(self, port: int, primary: int, quorum: int) -> subprocess.Popen[bytes]:

@@ -51,13 +51,18 @@ def redis_reachable(url: str) -> bool:
         return False
 
 
+def redis_command(port: int, maxmemory: str = Settings.redis_maxmemory, *options: str) -> list[str]:
+    """The command of a redis-server on loopback `port` that keeps nothing on disk and, as in docker-compose.yml,
+    refuses writes when full rather than evicting live state; `options` are more of redis-server's. The embedded
+    Redis runs it, and so do the private clusters and Sentinel groups of harness/topology.py."""
+    return [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "no", "--maxmemory", maxmemory, "--maxmemory-policy", "noeviction", *options]
+
+
 def spawn_redis(url: str, maxmemory: str = Settings.redis_maxmemory, *options: str) -> subprocess.Popen[bytes]:
-    """An embedded Redis on the port of `url`, keeping nothing on disk and, as in docker-compose.yml,
-    refusing writes when full rather than evicting live state; `options` are more of redis-server's."""
+    """An embedded Redis on the port of `url` (`redis_command`)."""
     port = urlparse(url).port or 6379
-    command = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-               "--appendonly", "no", "--maxmemory", maxmemory, "--maxmemory-policy", "noeviction", *options]
-    return popen(command, stdout=subprocess.DEVNULL)
+    return popen(redis_command(port, maxmemory, *options), stdout=subprocess.DEVNULL)
 
 
 def start_redis(url: str, maxmemory: str = Settings.redis_maxmemory, *options: str) -> subprocess.Popen[bytes]:
