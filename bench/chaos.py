@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.provenance import provenance, write_results  # noqa: E402
 from common.keys import Keys  # noqa: E402
-from harness.stacks import PrivateStack, private_stack  # noqa: E402
+from harness.stacks import PrivateStack, pid_of, private_stack  # noqa: E402
 from llmserve.processes import wait_until  # noqa: E402
 
 KEYS = Keys("chaos")
@@ -100,10 +100,6 @@ def _migrations(r: redis.Redis) -> int:
     for key in r.scan_iter(match=KEYS.trace("*")):
         count += sum(b"migrated" in item for item in r.lrange(key, 0, -1))
     return count
-
-
-def pid_of(process_id: bytes) -> int:
-    return int(process_id.decode().split("-")[-2])
 
 
 def busiest_worker(running: PrivateStack) -> int:

@@ -52,13 +52,12 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.chaos import pid_of  # noqa: E402
 from bench.provenance import provenance, write_results  # noqa: E402
 from common.clients import sync_client  # noqa: E402
 from common.keys import Keys  # noqa: E402
 from common.protocol import TraceEvent, decode  # noqa: E402
 from harness.proxy import SentinelProxy  # noqa: E402
-from harness.stacks import PrivateStack  # noqa: E402
+from harness.stacks import PrivateStack, pid_of  # noqa: E402
 from harness.topology import SentinelGroup, free_node_ports, started  # noqa: E402
 from llmserve.launcher import Stack, Supervisor, gateway_ports, serving  # noqa: E402
 from llmserve.processes import free_ports, wait_until  # noqa: E402
@@ -844,7 +843,7 @@ def cause_of(trace: list[TraceEvent], frozen: set[int], lived: tuple[float, floa
         return "after_lost_writes"
     if any(lived[0] <= end and start <= lived[1] for start, end in windows):
         return "in_a_failover_window"
-    if any(pid_of(str(h.detail["worker_id"]).encode()) in frozen for h in trace if "worker_id" in h.detail):
+    if any(pid_of(str(h.detail["worker_id"])) in frozen for h in trace if "worker_id" in h.detail):
         return "by_a_woken_worker"
     return ""
 

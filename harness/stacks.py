@@ -15,6 +15,13 @@ from llmserve.launcher import Stack, gateway_ports, serving, start_redis, total
 from llmserve.processes import free_port, free_ports, wait_until
 
 
+def pid_of(service_id: str | bytes) -> int:
+    """The process of a worker, scheduler or gateway, from its id (host-pid-suffix: common/runtime.py) as a
+    string or as Redis gives it."""
+    text = service_id.decode() if isinstance(service_id, bytes) else service_id
+    return int(text.split("-")[-2])
+
+
 @dataclass
 class PrivateStack:
     """A stack with a Redis of its own, for tests and benchmarks."""

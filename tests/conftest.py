@@ -20,6 +20,7 @@ from common.keys import Keys
 from common.protocol import SamplingParams
 from common.settings import Settings
 from harness.stacks import PrivateStack, private_stack
+from harness.stacks import pid_of as pid_of  # the tests take it from here
 from llmserve.launcher import Stack, start_redis
 from llmserve.processes import free_port
 from llmserve.processes import wait_until as wait_for
@@ -116,11 +117,6 @@ def native_kernels() -> None:
     if not (shutil.which(cpp_extension.get_cxx_compiler()) and cpp_extension.is_ninja_available()):
         pytest.skip("no C++ compiler or ninja on this host: the compiled kernels cannot build", allow_module_level=True)
     native.load("on")  # raises the build's error
-
-
-def pid_of(service_id: str) -> int:
-    """The process of a worker or scheduler: its id is host-pid-suffix (common/runtime.py)."""
-    return int(service_id.split("-")[-2])
 
 
 def responds(url: str) -> bool:

@@ -23,7 +23,7 @@ import yaml
 
 from common.keys import Keys
 from common.settings import Settings
-from harness.stacks import PrivateStack
+from harness.stacks import PrivateStack, pid_of
 from llmserve.processes import wait_until
 from tests.conftest import sim_stack
 from tests.sse import Streamed, read
@@ -100,7 +100,7 @@ class Controller:
         """The requests a worker process holds (worker ids are host-pid-suffix)."""
         keys = Keys(self.namespace)
         for member in self.redis.smembers(keys.workers):
-            if member.decode().split("-")[-2] == str(worker.pid):
+            if pid_of(member) == worker.pid:
                 return self.redis.hlen(keys.assigned(member.decode()))
         return 0
 

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from common.keys import Keys
-from tests.conftest import dispatched_to, sim_stack, wait_for, workers_of
+from tests.conftest import dispatched_to, pid_of, sim_stack, wait_for, workers_of
 from tests.sse import Reading, Streamed, read_in_background
 from worker.sim import VOCAB, sim_token
 
@@ -56,7 +56,7 @@ def drain_one(mode: str) -> Drained:
         [other] = set(held) - {worker_id}
         wait_for(lambda: all(r.llen(KEYS.progress(rid)) >= 3 for rid in held[worker_id]), 30,
                  "a few tokens of each of its streams", 0.05)
-        process = next(p for _, p in running.stack.processes if p.pid == int(worker_id.split("-")[-2]))
+        process = next(p for _, p in running.stack.processes if p.pid == pid_of(worker_id))
         sent = time.monotonic()
         os.kill(process.pid, signal.SIGTERM)
         assert process.wait(60) == 0

@@ -186,7 +186,7 @@ def test_a_lost_workers_streams_move_to_its_models_other_worker_only(sim: Privat
     alpha = sorted(workers_of(sim, "alpha"))
     [beta] = workers_of(sim, "beta")
     victim = alpha[0]
-    pid = int(victim.split("-")[-2])
+    pid = pid_of(victim)
     with ThreadPoolExecutor(6) as pool:
         streams = [pool.submit(stream_text, sim.url, "alpha", 120) for _ in range(6)]
         wait_until(lambda: heartbeats(sim)[victim].running >= 1, 10, "a stream on the victim", 0.05)

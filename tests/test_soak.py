@@ -20,7 +20,7 @@ import pytest
 import redis
 
 from common.keys import Keys
-from harness.stacks import PrivateStack, private_stack
+from harness.stacks import PrivateStack, pid_of, private_stack
 from llmserve.processes import free_port
 from llmserve.processes import wait_until as wait_for
 from tests.sse import read
@@ -169,7 +169,7 @@ def chaos(soak: PrivateStack, deadline: float) -> set[int]:
     time.sleep(10)
     worker = max((p for name, p in soak.stack.processes if name == "worker" and p.poll() is None),
                  key=lambda p: sum(r.hlen(KEYS.assigned(w.decode())) for w in r.smembers(KEYS.workers)
-                                   if w.decode().split("-")[-2] == str(p.pid)))
+                                   if pid_of(w) == p.pid))
     os.kill(worker.pid, signal.SIGKILL)
     killed.add(worker.pid)
     soak.stack.spawn("worker")
