@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 from bench.provenance import provenance, write_results  # noqa: E402
 from common.clients import sync_client  # noqa: E402
 from gateway.batch_store import BatchKeys  # noqa: E402
+from harness.sse import aparse  # noqa: E402
 from harness.stacks import pid_of, private_stack  # noqa: E402
 from llmserve.processes import wait_until  # noqa: E402
 
@@ -59,10 +60,10 @@ async def read_completion(client: httpx.AsyncClient, url: str, body: dict, heade
     started = time.monotonic()
     async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as response:
         got = Completion(response.status_code, response.headers.get("x-request-id", ""), started)
-        async for raw in response.aiter_lines():
-            if not raw.startswith("data: {"):
+        async for event in aparse(response.aiter_lines()):
+            if event.done:
                 continue
-            chunk = json.loads(raw[6:])
+            chunk = event.data
             if chunk.get("usage"):
                 got.produced = chunk["usage"]["completion_tokens"]
             if chunk["choices"] and chunk["choices"][0]["text"]:

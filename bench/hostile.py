@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.provenance import provenance, update_results  # noqa: E402
+from harness.sse import aparse  # noqa: E402
 
 
 def chain(rules: int) -> str:
@@ -89,16 +90,15 @@ async def resumers(url: str, readers: int, read_s: float) -> dict[str, object]:
     async with httpx.AsyncClient(base_url=url, timeout=read_s, limits=limits) as client:
         async with client.stream("POST", "/generate_stream", json=body) as response:
             request_id = response.headers["x-request-id"]
-            async for line in response.aiter_lines():
-                if line.startswith("data:"):
-                    break
+            async for _ in aparse(response.aiter_lines()):
+                break
 
         async def resume() -> tuple[str, float]:
             events = 0
             try:
                 async with client.stream("GET", f"/v1/requests/{request_id}/stream") as stream:
-                    async for line in stream.aiter_lines():
-                        events += line.startswith("data:")
+                    async for _ in aparse(stream.aiter_lines()):
+                        events += 1
             except httpx.TimeoutException:
                 return "hung", time.monotonic()
             except httpx.HTTPError as exc:

@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.memory import memory_mb  # noqa: E402
 from bench.provenance import provenance, update_results  # noqa: E402
+from harness.sse import aparse  # noqa: E402
 from harness.stacks import private_stack  # noqa: E402
 from llmserve.bench.stats import describe  # noqa: E402
 
@@ -44,8 +45,8 @@ async def first_token_s(client: httpx.AsyncClient, key: str, max_tokens: int) ->
                              headers={"Authorization": f"Bearer {key}"}) as response:
         response.raise_for_status()
         ttft = None
-        async for line in response.aiter_lines():
-            if line.startswith("data:") and ttft is None:
+        async for _ in aparse(response.aiter_lines()):
+            if ttft is None:
                 ttft = time.monotonic() - sent
     if ttft is None:
         raise RuntimeError("no token")

@@ -57,11 +57,11 @@ from common.clients import sync_client  # noqa: E402
 from common.keys import Keys  # noqa: E402
 from common.protocol import TraceEvent, decode  # noqa: E402
 from harness.proxy import SentinelProxy  # noqa: E402
+from harness.sse import parse  # noqa: E402
 from harness.stacks import PrivateStack, pid_of  # noqa: E402
 from harness.topology import SentinelGroup, free_node_ports, started  # noqa: E402
 from llmserve.launcher import Stack, Supervisor, gateway_ports, serving  # noqa: E402
 from llmserve.processes import free_ports, wait_until  # noqa: E402
-from tests.sse import parse  # noqa: E402
 
 NS = "nemesis"
 KEYS = Keys(NS)

@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.provenance import provenance, write_results  # noqa: E402
 from common.protocol import SamplingParams, Submit  # noqa: E402
+from harness.sse import parse  # noqa: E402
 from harness.stacks import PrivateStack, private_stack  # noqa: E402
 from llmserve.processes import free_port, wait_until  # noqa: E402
 from worker.sim import VOCAB, SimModel, sim_token  # noqa: E402
@@ -86,19 +87,12 @@ class Stream:
                 return
             response.raise_for_status()
             self.request_id = response.headers["x-request-id"]
-            event_id, data = None, []
-            for line in response.iter_lines():
-                if line.startswith("id:"):
-                    event_id = line[3:].strip()
-                elif line.startswith("data:"):
-                    data.append(line[5:].strip())
-                elif not line and data:
-                    self._event(event_id, json.loads("\n".join(data)))
-                    event_id, data = None, []
-                    if "index" in self.last_event:
-                        taken += 1
-                    if self.ended or (stop_after is not None and taken >= stop_after):
-                        break
+            for event in parse(response.iter_lines()):
+                self._event(event.id, event.data)
+                if "index" in self.last_event:
+                    taken += 1
+                if self.ended or (stop_after is not None and taken >= stop_after):
+                    break
         except httpx.HTTPError:
             pass  # the connection broke: resume
         finally:

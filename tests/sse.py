@@ -1,54 +1,23 @@
-"""The tests' one SSE client: events as (event, id, data) as a client sees them, and a stream read whole (or up to
-a number of events) with what the tests ask of it: its request id, token indexes, text, how it ended, and when
-each event arrived."""
+"""The tests' one SSE client: events as (event, id, data) as a client sees them (harness/sse.py's parser), and a
+stream read whole (or up to a number of events) with what the tests ask of it: its request id, token indexes, text,
+how it ended, and when each event arrived."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import httpx
 
-DONE = "[DONE]"  # the OpenAI stream's last data
-
-
-@dataclass
-class Event:
-    event: str | None
-    id: str | None
-    data: dict  # the JSON data; {} for the OpenAI stream's [DONE]
-    retry: int | None = None
-    raw: str = ""  # the data as sent
-
-    @property
-    def done(self) -> bool:
-        return self.raw == DONE
+from harness.sse import DONE as DONE  # the names the tests take from here
+from harness.sse import Event as Event
+from harness.sse import parse as parse
 
 
 def events(response: httpx.Response) -> Iterator[Event]:
     return parse(response.iter_lines())
-
-
-def parse(lines: Iterable[str]) -> Iterator[Event]:
-    """The events of an SSE body's lines, however they were read."""
-    event, event_id, data, retry = None, None, [], None
-    for line in lines:
-        if not line:
-            if data:
-                raw = "\n".join(data)
-                yield Event(event, event_id, {} if raw == DONE else json.loads(raw), retry, raw)
-            event, event_id, data, retry = None, None, [], None
-        elif line.startswith("data:"):
-            data.append(line[5:].strip())
-        elif line.startswith("id:"):
-            event_id = line[3:].strip()
-        elif line.startswith("event:"):
-            event = line[6:].strip()
-        elif line.startswith("retry:"):
-            retry = int(line[6:].strip())
 
 
 def stream(client: httpx.Client, body: dict) -> tuple[str, list[Event]]:
