@@ -58,7 +58,7 @@ from common.keys import Keys  # noqa: E402
 from common.protocol import TraceEvent, decode  # noqa: E402
 from harness.proxy import SentinelProxy  # noqa: E402
 from harness.sse import parse  # noqa: E402
-from harness.stacks import PrivateStack, pid_of  # noqa: E402
+from harness.stacks import PrivateStack, lasting, live_workers, pid_of  # noqa: E402
 from harness.topology import SentinelGroup, free_node_ports, started  # noqa: E402
 from llmserve.launcher import Stack, Supervisor, gateway_ports, serving  # noqa: E402
 from llmserve.processes import free_ports, wait_until  # noqa: E402
@@ -579,11 +579,6 @@ class Nemesis:
 
 # What is left in Redis.
 
-def lasting(r: redis.Redis) -> set[str]:
-    """The keys with no expiry."""
-    return {key.decode() for key in r.scan_iter(count=1000) if r.ttl(key) == -1}
-
-
 def kind_of(key: str) -> str:
     """A key's kind: a shared one's name, a request's kind (out, progress, log, trace...), worker:<kind>."""
     shared = f"{{{NS}}}:"
@@ -606,15 +601,10 @@ def key_census(r: redis.Redis) -> dict[str, dict[str, int]]:
     return dict(sorted(census.items()))
 
 
-def live_workers(r: redis.Redis) -> set[str]:
-    ids = [member.decode() for member in r.smembers(KEYS.workers)]
-    return {i for i, beat in zip(ids, r.mget([KEYS.heartbeat(i) for i in ids]) if ids else [], strict=True) if beat}
-
-
 def held(r: redis.Redis) -> dict[str, int]:
     """What must be back to nothing once no request runs: assignments, the queue, leases, requests in flight,
     the keys of workers that are gone."""
-    live = live_workers(r)
+    live = live_workers(r, KEYS)
     assigned, gone = 0, 0
     for raw in r.scan_iter(match=KEYS.worker_keys(), count=1000):
         key = raw.decode()

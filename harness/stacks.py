@@ -1,5 +1,6 @@
 """Private stacks for tests and benchmarks: the launcher's Stack on a redis-server of its own (or a private
-cluster or Sentinel group, harness/topology.py), on free ports; not part of the installed package."""
+cluster or Sentinel group, harness/topology.py), on free ports, and what tests and benchmarks read of one: a
+service's pid from its id, the live workers, the keys without a TTL. Not part of the installed package."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.keys import Keys
 from harness.topology import start_cluster, start_sentinel
 from llmserve.launcher import Stack, gateway_ports, serving, start_redis, total
 from llmserve.processes import free_port, free_ports, wait_until
@@ -20,6 +22,17 @@ def pid_of(service_id: str | bytes) -> int:
     string or as Redis gives it."""
     text = service_id.decode() if isinstance(service_id, bytes) else service_id
     return int(text.split("-")[-2])
+
+
+def live_workers(r: Any, keys: Keys) -> set[str]:
+    """The ids of the workers of `keys`' namespace whose heartbeat has not expired."""
+    ids = [member.decode() for member in r.smembers(keys.workers)]
+    return {i for i, beat in zip(ids, r.mget([keys.heartbeat(i) for i in ids]) if ids else [], strict=True) if beat}
+
+
+def lasting(r: Any) -> set[str]:
+    """The keys with no expiry."""
+    return {key.decode() for key in r.scan_iter(count=1000) if r.ttl(key) == -1}
 
 
 @dataclass

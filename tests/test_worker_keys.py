@@ -11,6 +11,7 @@ import redis
 
 from common.clients import sync_client
 from common.keys import Keys
+from harness.stacks import lasting, live_workers
 from tests.conftest import pid_of, sim_stack, wait_for
 from tests.sse import Reading, read_in_background
 
@@ -22,20 +23,10 @@ ROUNDS, PER_ROUND = 5, 10
 TOKENS = 150
 
 
-def live_workers(r: redis.Redis) -> set[str]:
-    ids = [member.decode() for member in r.smembers(KEYS.workers)]
-    return {i for i, beat in zip(ids, r.mget([KEYS.heartbeat(i) for i in ids]) if ids else [], strict=True) if beat}
-
-
 def beating(r: redis.Redis, pids: set[int]) -> set[str] | None:
     """The ids of the workers of these processes, once every one of them beats."""
-    ids = {i for i in live_workers(r) if pid_of(i) in pids}
+    ids = {i for i in live_workers(r, KEYS) if pid_of(i) in pids}
     return ids if len(ids) == len(pids) else None
-
-
-def lasting(r: redis.Redis) -> set[str]:
-    """The keys with no expiry."""
-    return {key.decode() for key in r.scan_iter(count=1000) if r.ttl(key) == -1}
 
 
 def owned_by(r: redis.Redis, worker_ids: set[str]) -> list[str]:
@@ -98,7 +89,7 @@ def test_keys_of_a_stopped_worker_nobody_saw_leave_lapse() -> None:
     """Without any scheduler, a cleanly stopped worker's keys still expire: nothing a scheduler wrote lasts."""
     with sim_stack(1, NAMESPACE=NS) as running:
         r = sync_client(running.redis_url)
-        [worker_id] = live_workers(r)
+        [worker_id] = live_workers(r, KEYS)
         reading = read_in_background(running.url, [{"prompt": "one", "max_tokens": 5}])
         reading.join(60)
         assert r.exists(KEYS.inbox(worker_id))
