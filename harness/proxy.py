@@ -6,14 +6,18 @@ of it must answer for the sentinels too: this one listens as a sentinel that nam
 the primary, and joins each connection made to that port to the server the real sentinels name as primary at
 that moment. Point the service's REDIS_URL at `url`. Then `delay(seconds)` holds every chunk that long in each
 direction (sentinel answers included), `cut()` holds everything until `heal()` (a partition that TCP outlives:
-what was sent arrives once the network heals, if the ends still wait for it), and `heal()` ends either."""
+what was sent arrives once the network heals, if the ends still wait for it), and `heal()` ends either.
+`undelivered(arrived_before)` counts what the data port took in before a moment and has not yet handed on: 0 once
+the writes a cut held back are with Redis."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import threading
 import time
+from collections import deque
 
 import hiredis
 
@@ -69,6 +73,8 @@ class SentinelProxy:
         self.thread = threading.Thread(target=self.loop.run_forever, name="redis-proxy", daemon=True)
         self.servers: list[asyncio.Server] = []
         self.open: set[asyncio.StreamWriter] = set()  # every connection's writer, each end
+        # Per direction of each data connection: the arrival times of the chunks not yet handed on, and its writer.
+        self.pending: list[tuple[deque[float], asyncio.StreamWriter]] = []
 
     @property
     def url(self) -> str:
@@ -90,8 +96,23 @@ class SentinelProxy:
     def cut(self) -> None:
         self.held = True
 
-    def heal(self) -> None:
+    def heal(self) -> float:
+        """The network as it was; returns the moment (time.monotonic()) it healed."""
         self.delay_s, self.held = 0.0, False
+        return time.monotonic()
+
+    def undelivered(self, arrived_before: float = math.inf) -> int:
+        """The chunks through the data port, either way, that arrived before `arrived_before` and are not yet
+        written to their socket: still held, or in the proxy's write buffer (one more while that holds bytes). A
+        connection that broke meanwhile counts for nothing (what it held is gone with it)."""
+
+        def buffered(writer: asyncio.StreamWriter) -> bool:
+            return not writer.transport.is_closing() and writer.transport.get_write_buffer_size() > 0
+
+        async def count() -> int:
+            return sum(sum(at < arrived_before for at in stamps) + buffered(writer) for stamps, writer in self.pending)
+
+        return asyncio.run_coroutine_threadsafe(count(), self.loop).result(10)
 
     async def _listen(self) -> None:
         self.servers = [await asyncio.start_server(self._sentinel, "127.0.0.1", self.port),
@@ -190,21 +211,30 @@ class SentinelProxy:
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One direction: each chunk stamped as it arrives and sent once the faults let it, in order."""
         chunks: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+        entry = (deque(), writer)  # the arrival times of the chunks taken in and not yet written
+        self.pending.append(entry)
 
         async def send() -> None:
-            while (chunk := await chunks.get())[1]:
-                await self._held(chunk[0])
-                writer.write(chunk[1])
-                await writer.drain()
+            try:
+                while (chunk := await chunks.get())[1]:
+                    await self._held(chunk[0])
+                    writer.write(chunk[1])
+                    await writer.drain()
+                    entry[0].popleft()
+            finally:  # all sent, or never to be: nothing undelivered is left to wait for
+                entry[0].clear()
 
         sender = asyncio.create_task(send())
         try:
-            while data := await reader.read(READ_BYTES):
-                chunks.put_nowait((time.monotonic(), data))
+            while (data := await reader.read(READ_BYTES)) and not sender.done():  # done: its end is gone
+                now = time.monotonic()
+                entry[0].append(now)
+                chunks.put_nowait((now, data))
             chunks.put_nowait((time.monotonic(), b""))
             await sender
         except (ConnectionError, OSError):
             sender.cancel()
         finally:
+            self.pending.remove(entry)
             writer.close()
             self.open.discard(writer)

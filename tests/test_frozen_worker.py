@@ -11,10 +11,13 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import httpx
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from common.clients import sync_client
 from common.keys import Keys
+from common.protocol import Heartbeat, decode
 from harness.stacks import PrivateStack
 from tests.conftest import pid_of, sim_stack, wait_for, workers_of
 from tests.sse import Reading, read_in_background
@@ -47,8 +50,16 @@ def test_a_request_without_its_assignment_is_moved_unless_its_owner_still_names_
     assert found.moved == {"moved", "ended", "taken", "old"} and found.forgotten == {"forgotten"}
 
 
+def moved_away(metrics_port: int) -> float:
+    """A worker's llmserve_worker_moved_away_total: the requests it dropped, unpublished, as moved away from it."""
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "llmserve_worker_moved_away_total")
+
+
 def test_a_worker_that_wakes_after_its_streams_moved_publishes_none_of_them() -> None:
     with streaming("frozen", 4) as (stack, client, keys, reading, frozen):
+        port = decode(client.get(keys.heartbeat(frozen)), Heartbeat, 1 << 20).metrics_port
         os.kill(pid_of(frozen), signal.SIGSTOP)
         stack.stack.spawn("worker")
         try:
@@ -59,7 +70,10 @@ def test_a_worker_that_wakes_after_its_streams_moved_publishes_none_of_them() ->
         finally:
             os.kill(pid_of(frozen), signal.SIGCONT)
         reading.join(120)
-        time.sleep(1.0)  # what the woken worker would publish of its old requests, it does within a step or two
+        # The woken worker drops each of its old requests, and counts it, in the first step it would publish it
+        # (found moved, or refused by its owner fence): its count at 4, every step it took of them is in Redis, the
+        # trace stamps of any it ran to the end included, and none of them is left in its engine to publish later.
+        wait_for(lambda: moved_away(port) >= len(reading.streams), 30, "the woken worker to drop its old requests")
         for stream in reading.streams:
             assert stream.ended == "done" and stream.indexes == list(range(TOKENS))
             finished_on = workers_of(stack.url, stream.request_id, "finished")

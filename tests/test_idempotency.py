@@ -15,11 +15,13 @@ import pytest
 import redis
 
 from common.clients import sync_client
+from common.keys import Keys
 from harness.stacks import PrivateStack
 from tests.conftest import sim_stack, wait_for
 from tests.sse import Streamed, read
 
 NAMESPACE = "idem"
+KEYS = Keys(NAMESPACE)
 GRACE = 3.0
 SETTINGS = {"SIM_STEP_MS": "20", "SIM_STEP_PER_SEQ_MS": "0", "WORKER_SLOTS": "16", "API_KEYS": "alpha,beta",
             "RESUME_GRACE": str(GRACE), "RESUME_TTL": "60", "NAMESPACE": NAMESPACE}
@@ -51,9 +53,11 @@ def post(url: str, payload: dict, headers: dict, timeout: float = 60) -> httpx.R
     return httpx.post(f"{url}/v1/completions", json=payload, headers=headers, timeout=timeout)
 
 
-def logs(store: redis.Redis) -> int:
-    """Results logs in Redis: one per admitted request that keeps one (every keyed or streamed request here)."""
-    return sum(1 for _ in store.scan_iter(f"{NAMESPACE}:log:*"))
+def logs(store: redis.Redis) -> set[str]:
+    """The results logs in Redis: one per admitted request that keeps one (every keyed or streamed request here).
+    A test compares the set after its requests with the one before: an earlier test's log expiring meanwhile takes
+    nothing from the difference, which holds the logs of this test's requests alone."""
+    return {key.decode() for key in store.scan_iter(f"{NAMESPACE}:log:*")}
 
 
 def streamed_text(got: Streamed) -> str:
@@ -68,7 +72,7 @@ def test_a_retried_whole_answer_is_the_first_one_not_a_second_run(sim: PrivateSt
     assert again.json() == first.json()
     assert again.headers["x-request-id"] == first.headers["x-request-id"]
     assert first.json()["usage"]["completion_tokens"] == 30
-    assert logs(store) == before + 1  # admitted once
+    assert logs(store) - before == {KEYS.log(first.headers["x-request-id"])}  # admitted once
     fresh = post(sim.urls[0], body("retry me"), keyed("whole-2"))  # a new key is a new request
     assert fresh.json()["id"] != first.json()["id"]
 
@@ -126,7 +130,7 @@ def test_a_retry_after_the_client_timed_out_takes_the_answer_still_being_made(si
     again = post(sim.urls[1], payload, keyed("timeout-1"))
     assert again.status_code == 200, again.text
     assert again.json()["usage"]["completion_tokens"] == 80
-    assert logs(store) == before + 1
+    assert logs(store) - before == {KEYS.log(again.headers["x-request-id"])}  # admitted once
     # 80 steps of 20 ms: a second run after the retry arrived would take as long again.
     assert time.monotonic() - sent < 0.6 + 80 * 0.020 * 1.9
 
