@@ -22,7 +22,8 @@ index once and in order, with its end; its text equal to the fault-free text of 
 before the faults); no request finished twice (the `finished` hops of its trace); the vanished cancelled or done;
 no key of a request or of a gone worker left without a TTL, no slot held (no assignment, nothing queued, no
 lease, nothing in flight); each service's RSS at the start of the faulty phase and at the end, for the processes
-that lived through it. Prints a summary and writes bench/results/nemesis-<host kind>.json (nemesis-hf-... with
+that lived through it, and over each process's own life, where no process may grow past its service's bound
+(MEMORY_BOUND_MB). Prints a summary and writes bench/results/nemesis-<host kind>.json (nemesis-hf-... with
 --engine hf), or --out."""
 
 from __future__ import annotations
@@ -659,6 +660,13 @@ def rss_of(stack: Stack) -> dict[int, tuple[str, int]]:
 MEMORY_EVERY_S = 5.0
 # A process's memory is compared from this age on: its imports and first requests are done by then.
 MEMORY_SETTLED_S = 30.0
+# How far a process's RSS may grow over its life (from MEMORY_SETTLED_S of age, sampled for at least a minute) before
+# `memory_grew` counts it (docs/faults.md, "Faults together"): a few MB for the gateways, the schedulers and the
+# sim's workers, whose lives in both soaks grew by 0.8 MB at most; for a worker of the real model, the whole of its
+# warm-up measured alone (580 to 630 MB, all within its first minute), which the soak's sampling from 30 s of age
+# overlaps: more than all of it after that is not warm-up.
+MEMORY_BOUND_MB = {"gateway": 5.0, "scheduler": 5.0, "worker": 5.0}
+HF_WORKER_BOUND_MB = 50.0
 
 
 @dataclass
@@ -671,6 +679,8 @@ class Memory:
     last: tuple[float, int] | None = None
 
     def sample(self, now: float, rss: int) -> None:
+        if rss <= 0:  # a process on its way out (a zombie's RSS reads 0): not its memory
+            return
         if now - self.seen >= MEMORY_SETTLED_S:
             self.first = self.first or (now, rss)
             self.last = (now, rss)
@@ -684,6 +694,16 @@ def rss_over_lives(memory: dict[int, Memory], at_least_s: float) -> list[dict[st
              "growth_mb": round((m.last[1] - m.first[1]) / mb, 1)}
             for pid, m in sorted(memory.items())
             if m.first is not None and m.last is not None and m.last[0] - m.first[0] >= at_least_s]
+
+
+def memory_bound_mb(service: str, engine: str) -> float:
+    """How much a process of `service` may grow over its life (MEMORY_BOUND_MB)."""
+    return HF_WORKER_BOUND_MB if service == "worker" and engine == "hf" else MEMORY_BOUND_MB[service]
+
+
+def grown(lives: list[dict[str, object]], engine: str) -> list[dict[str, object]]:
+    """The processes of `lives` (rss_over_lives) that grew past their service's bound."""
+    return [life for life in lives if life["growth_mb"] > memory_bound_mb(str(life["service"]), engine)]
 
 
 def rss_growth(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]]) -> list[dict[str, object]]:
@@ -815,14 +835,17 @@ def check(jobs: list[Job], expected: dict[str, str], tokens: int, r: redis.Redis
             "examples": examples}
 
 
-# What the checker tells apart in a request's history (docs/faults.md, "Faults together"): the writes the old
-# primary takes before Sentinel demotes it are dropped (a trace that lost its start shows it), an open fault of
-# Redis' asynchronous replication that EXPLAINED puts things down to; a worker frozen past its TTL that went on,
-# once it woke, with what was moved away from it (fixed: only labelled, and a verdict it shows fails the test).
+# What the checker tells apart in a request's history (docs/faults.md, "Faults together"): writes a primary took and
+# then lost (a trace that lost its start shows it), the one fault of Redis' asynchronous replication still open with
+# min-replicas-to-write 1 (a primary killed with kill -9 before its replica had them), which EXPLAINED puts things
+# down to; a request that lived through the window in which a failover's old primary used to take writes it then
+# dropped (closed by min-replicas-to-write 1: the old primary refuses them) and a worker frozen past its TTL that
+# went on, once it woke, with what was moved away from it (fixed) are only labelled. The report's `ok`, which the
+# soak's exit status and tests/test_nemesis.py go by, excuses nothing.
 CAUSES = ("after_lost_writes", "in_a_failover_window", "by_a_woken_worker")
-EXPLAINED = ("after_lost_writes", "in_a_failover_window")
-# How long the services may go on writing to a primary that a failover or a kill -9 drops: Sentinel demotes the old
-# primary about 10 s after SENTINEL FAILOVER; a killed one loses what it had not replicated.
+EXPLAINED = ("after_lost_writes",)
+# The window in which the services may go on writing to a primary that a failover or a kill -9 drops: Sentinel
+# demotes the old primary about 10 s after SENTINEL FAILOVER; a killed one loses what it had not replicated.
 SPLIT_S = {"redis_failover": 15.0, "redis_kill9": 5.0}
 
 
@@ -940,6 +963,8 @@ def run(options: Options, log: Callable[[str], None] = print) -> dict[str, objec
         # at least a minute.
         "rss_over_lives": lives,
         "rss_over_lives_growth_mb_max": max((g["growth_mb"] for g in lives), default=None),
+        "memory_bounds_mb": {service: memory_bound_mb(service, options.engine) for service in MEMORY_BOUND_MB},
+        "memory_grew": grown(lives, options.engine),
         "redis_used_memory_mb": {"start": used_before, "end": used_after},
         "services_through_the_faulty_phase": len(growth), "client_errors": [e for c in clients for e in c.errors],
         "hung_clients": hung,
@@ -952,6 +977,7 @@ def run(options: Options, log: Callable[[str], None] = print) -> dict[str, objec
         "keys_without_ttl_left": len(left_behind),
         "held_after_settling": holding(left),
         "client_errors": len(report["client_errors"]),
+        "memory_grew": len(report["memory_grew"]),
     }
     for entry in behind:
         if entry["cause"]:
@@ -981,6 +1007,9 @@ def summary(report: dict) -> str:
         f"new keys without a TTL: {report['new_keys_without_ttl']}",
         "rss growth (MB): " + ", ".join(f"{g['service']} {g['pid']} {g['start_mb']}->{g['end_mb']}"
                                          for g in report["rss"]),
+        f"rss growth over each life (MB): at most {report['rss_over_lives_growth_mb_max']} over "
+        f"{len(report['rss_over_lives'])} lives; past its bound {json.dumps(report['memory_bounds_mb'])}: "
+        f"{json.dumps(report['memory_grew'])}",
         f"verdicts: {json.dumps(verdicts)}",
         f"explained by the known faults: {json.dumps(report['verdicts_explained'])}",
         f"unexplained: {json.dumps({k: v for k, v in report['verdicts_unexplained'].items() if v})}",
