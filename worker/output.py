@@ -22,7 +22,7 @@ from worker.stops import StopMatcher
 
 
 class Ranked(Protocol):
-    """Log-probabilities of one token as an engine's sampler gives them (worker/own/sampling.py's Logprobs)."""
+    """Log-probabilities of one token as an engine's sampler gives them (worker/sampling.py's Logprobs)."""
 
     chosen: float
     top_ids: list[int]
@@ -30,7 +30,7 @@ class Ranked(Protocol):
 
 
 class Matcher(Protocol):
-    """A request's grammar as it checks each token (worker/own/grammar.py's LLMatcher)."""
+    """A request's grammar as it checks each token (worker/grammar.py's LLMatcher)."""
 
     def consume_token(self, token: int) -> bool: ...
     def is_stopped(self) -> bool: ...

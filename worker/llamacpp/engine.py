@@ -6,9 +6,9 @@ sequences still prefilling, up to `chunk` prompt tokens (more while nothing runs
 sequence id in one unified KV cache, so sequences join and leave at any step. A sequence's stream is its prompt
 and every token it has delivered: a migrated request prefills the tokens another worker delivered with its prompt,
 and a sequence put out of a full cache (the youngest) prefills its stream again when it is readmitted. Rows whose
-stream is wholly in the cache are sampled together by the own engine's sampler (worker/own/sampling.py: seeds,
+stream is wholly in the cache are sampled together by the sampler the own engine also uses (worker/sampling.py: seeds,
 penalties over every delivered token, logit_bias, log-probabilities) under their grammars' masks
-(worker/own/grammar.py); tokens become text in worker/output.py, as on every engine."""
+(worker/grammar.py); tokens become text in worker/output.py, as on every engine."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from worker.core import StepKind, StepOutput, StepResult
 from worker.llamacpp.library import DecodeError, NoRoom, Row
 from worker.llamacpp.model import LlamaCppModel, load
 from worker.output import OutputProcessor, SequenceText
-from worker.own.sampling import Pick, new_generator, sample_texts
+from worker.sampling import Pick, new_generator, sample_texts
 
 log = logging.getLogger("worker")
 

@@ -1,7 +1,8 @@
 """Next-token choice for a whole batch: presence and frequency penalties, then
 greedy rows by argmax, sampled rows with temperature, top-k and top-p, each row
 drawing from its own seeded generator so that its text does not depend on its
-batch-mates. Rows that ask for them also get log-probabilities."""
+batch-mates. Rows that ask for them also get log-probabilities. Shared by the engines that pick tokens from
+torch logits themselves (the own engine and llama.cpp's)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import torch
 from common.protocol import BAN_BIAS, SamplingParams
 
 if TYPE_CHECKING:
+    from worker.grammar import Grammars
     from worker.output import SequenceText
-    from worker.own.grammar import Grammars
 
 log = logging.getLogger("worker")
 
