@@ -42,6 +42,7 @@ from common.tracing import Tracing
 from worker import compat_metrics, engines, metrics
 from worker.core import Engine, GrammarError, Model, PromptInvalid, PromptTooLong, StepOutput, StepResult
 from worker.heartbeat import Heartbeats
+from worker.output import delivered_reason
 from worker.ownership import standing
 from worker.timing import Timing
 
@@ -249,20 +250,21 @@ class Worker:
         self.streams.event(pipe, Returned(self.id, submit.request_id, reason))
 
     def _start(self, submit: Submit) -> None:
-        if len(submit.resume) >= submit.params.max_tokens:
-            self._complete(submit)
+        reason = delivered_reason(submit.params, submit.resume)
+        if reason is not None:
+            self._complete(submit, reason)
             return
         prompt_ids = self.loaded.prompt_ids(submit)
         self.engine.add(submit.request_id, prompt_ids, submit.params, submit.resume, submit.background)
         if self.engine.routing is not None:
             self.engine.routing.remember(prefix_keys(submit), prompt_ids)
 
-    def _complete(self, submit: Submit) -> None:
+    def _complete(self, submit: Submit, reason: str) -> None:
         """A migrated request whose tokens were all delivered: only its Done went missing."""
         pipe = self.redis.pipeline(transaction=False)
-        done = Done("length", len(self.loaded.prompt_ids(submit)), len(submit.resume))
+        done = Done(reason, len(self.loaded.prompt_ids(submit)), len(submit.resume))
         self._send(pipe, submit.request_id, done)
-        self._release(pipe, submit.request_id, "finished", reason="length", tokens=len(submit.resume))
+        self._release(pipe, submit.request_id, "finished", reason=reason, tokens=len(submit.resume))
         pipe.execute()
 
     def _fail(self, request_id: str, code: ErrorCode, message: str) -> None:

@@ -7,12 +7,12 @@ torch logits themselves (the own engine and llama.cpp's)."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from common.protocol import BAN_BIAS, SamplingParams
+from worker.output import Logprobs
 
 if TYPE_CHECKING:
     from worker.grammar import Grammars
@@ -26,15 +26,6 @@ MAX_TOP_LOGPROBS = 20
 GREEDY_BELOW = 1e-5
 # A top-p row without top_k looks for its nucleus among this many most likely tokens before it sorts them all.
 NUCLEUS_CANDIDATES = 1024
-
-
-@dataclass
-class Logprobs:
-    """Log-probabilities under the model's own distribution: the chosen token's and the most likely ones'."""
-
-    chosen: float
-    top_ids: list[int]
-    top_values: list[float]
 
 
 def new_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

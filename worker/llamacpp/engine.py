@@ -109,9 +109,8 @@ class LlamaCppEngine:
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
             resume: list[int] | None = None, background: bool = False) -> None:
         resume = list(resume or [])
-        self.output.check(prompt_ids, resume)
-        matcher = self.model.grammars.matcher(params.grammar, resume) if params.grammar else None
-        text = self.output.open(request_id, prompt_ids, params, resume, matcher)
+        text = self.output.open(request_id, prompt_ids, params, resume)
+        text.matcher = self.model.grammars.matcher(params.grammar, resume) if params.grammar else None
         self.waiting.append(_Sequence(text, list(prompt_ids), new_generator(params, torch.device("cpu"))))
 
     def cancel(self, request_id: str) -> bool:

@@ -113,10 +113,9 @@ class Engine:
         """Queue a sequence. `resume` holds tokens another worker already delivered: they are
         prefilled with the prompt and generation continues after them."""
         resume = list(resume or [])
-        self.output.check(prompt_ids, resume)
-        matcher = self.loaded.grammars.matcher(params.grammar, resume) if params.grammar else None
-        self.waiting.append(Sequence(self.output.open(request_id, prompt_ids, params, resume, matcher),
-                                     prompt_ids, new_generator(params, self.loaded.device),
+        text = self.output.open(request_id, prompt_ids, params, resume)
+        text.matcher = self.loaded.grammars.matcher(params.grammar, resume) if params.grammar else None
+        self.waiting.append(Sequence(text, prompt_ids, new_generator(params, self.loaded.device),
                                      block_digests(prompt_ids, self.block) if self.store is not None else [],
                                      background))
 
