@@ -15,14 +15,14 @@ and its status moves only forward (MOVE_BATCH)."""
 # window, the per-key quotas, then the n logs (none in a cluster). ARGV: max queue, max queue bytes, stream
 # maxlen, key limit (0: none), seconds a request counts against its key, n, the logs' expiry in ms (0: no
 # logs), the lease in ms (0: none), the header of the first log (the StreamMeta), whether the tenant is an API
-# key (its quotas apply: '1'), the default requests and tokens per minute (0: none), the tenant, then n request
-# ids, then n payloads. A quota window is a calendar minute of Redis' clock: w (the minute), r (requests), t
-# (tokens, added as streams end: SPEND).
+# key (its quotas apply: '1'), the default requests and tokens per minute (0: none), the tenant, the stream's
+# payload field (common/streams.py owns it and the maxlen), then n request ids, then n payloads. A quota window
+# is a calendar minute of Redis' clock: w (the minute), r (requests), t (tokens, added as streams end: SPEND).
 ADMIT = """
 local n = tonumber(ARGV[6])
-local ids, payloads = 14, 14 + n
+local ids, payloads = 15, 15 + n
 local size = 0
-for i = payloads, 13 + 2 * n do size = size + #ARGV[i] end
+for i = payloads, 14 + 2 * n do size = size + #ARGV[i] end
 local queued = tonumber(redis.call('GET', KEYS[1]) or '0')
 if queued > 0 and queued + n > tonumber(ARGV[1]) then return 'queue_full' end
 local queued_bytes = tonumber(redis.call('GET', KEYS[2]) or '0')
@@ -68,8 +68,8 @@ for k = 8, #KEYS do
   redis.call('PEXPIRE', KEYS[k], log_ttl)
 end
 if lease > 0 then redis.call('ZADD', KEYS[5], math.floor(now * 1000) + lease, ARGV[ids]) end
-for i = payloads, 13 + 2 * n do
-  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'm', ARGV[i])
+for i = payloads, 14 + 2 * n do
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', ARGV[14], ARGV[i])
 end
 return 'ok'
 """

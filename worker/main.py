@@ -15,6 +15,7 @@ from common.errors import ErrorCode
 from common.journey import stamp
 from common.keys import PAYLOAD, Keys
 from common.prefix_keys import prefix_keys
+from common.progress import Progress
 from common.protocol import (
     Batch,
     Cancel,
@@ -48,13 +49,12 @@ from worker.timing import Timing
 
 log = logging.getLogger("worker")
 
-PROGRESS_TTL_SECONDS = 3600
-
 class Worker:
     def __init__(self, settings: WorkerSettings, loaded: Model, engine: Engine) -> None:
         self.settings = settings
         self.keys = Keys(settings.namespace)
         self.streams = StreamWriter(self.keys, settings.max_message_bytes)
+        self.progress = Progress(self.keys)
         self.redis = sync_client(settings.redis_url)
         self.id = service_id()
         self.loaded = loaded
@@ -281,7 +281,7 @@ class Worker:
                                                                        cancel.request_id):
             log.info("cancelled", extra={"request_id": cancel.request_id})
             pipe = self.redis.pipeline(transaction=False)
-            pipe.delete(self.keys.progress(cancel.request_id))
+            self.progress.forget(pipe, cancel.request_id)
             self._release(pipe, cancel.request_id, "cancelled")
             pipe.execute()
 
@@ -329,7 +329,7 @@ class Worker:
                 self._stamp(pipe, rid, "prefill_done", prefill_ms=round(step_s * 1000, 3))
                 self._stamp(pipe, rid, "first_token", index=out.index)
             if out.index == 0:
-                pipe.expire(self.keys.progress(rid), PROGRESS_TTL_SECONDS)
+                self.progress.started(pipe, rid)
             if out.finish_reason:
                 queue_s = timing.queue_s if timing else 0.0
                 self._send(pipe, rid, Done(out.finish_reason, out.prompt_tokens, out.index + 1, queue_s))
