@@ -1,4 +1,4 @@
-"""How a ResultStream reaches the client: the seed's events and the OpenAI chunks, each event with
+"""How a ResultStream reaches the client: the /generate routes' events and the OpenAI chunks, each event with
 its id (gateway/sse.py), the same for a stream and for its resumption; and the response that
 ends the stream however the connection ends."""
 
@@ -41,7 +41,7 @@ def done_fields(request_id: str, done: Done) -> dict[str, object]:
             "completion_tokens": done.completion_tokens}
 
 
-async def seed_events(stream: ResultStream) -> AsyncIterator[bytes]:
+async def generate_events(stream: ResultStream) -> AsyncIterator[bytes]:
     """/generate_stream's events: one per token, then the end (or an `error` event)."""
     rid = stream.head
     async for _, result in stream:

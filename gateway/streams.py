@@ -3,7 +3,7 @@ per request (its choices), async-iterable and closeable. It owns its subscriptio
 every choice (gateway/positions.py: nothing reaches the client twice, whether it comes from the
 results log, gateway/replay.py, a repeat after a migration or the live channel), its metrics, and
 how it ends: delivered, left to its lease when the client goes away (to be resumed on any gateway
-within RESUME_GRACE), or cancelled. The seed's routes and the OpenAI routes format its results
+within RESUME_GRACE), or cancelled. The /generate routes and the OpenAI routes format its results
 (gateway/formats.py); a resume (gateway/resume.py) opens the same object at the client's Last-Event-ID.
 
 `start` admits a request and waits for its first result before any header is sent, so that a
