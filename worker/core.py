@@ -4,8 +4,9 @@ loop may ask of an engine and a model. `worker/own/engine.py` (the model) and `w
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypeVar
 
 # What Engine.add raises, besides PromptTooLong, for a grammar it cannot enforce.
 from common.errors import ErrorCode
@@ -30,6 +31,23 @@ def checked_ids(ids: list[int], vocab: int) -> list[int]:
     if outside is not None:
         raise PromptInvalid(f"the prompt names token {outside}; the model's vocabulary has {vocab} tokens")
     return list(ids)
+
+
+class Queued(Protocol):
+    @property
+    def request_id(self) -> str: ...
+
+
+Q = TypeVar("Q", bound=Queued)
+
+
+def cancel_waiting(waiting: deque[Q], request_id: str) -> bool:
+    """What an engine's cancel tries first: the request out of its waiting queue, if it is there still."""
+    for sequence in waiting:
+        if sequence.request_id == request_id:
+            waiting.remove(sequence)
+            return True
+    return False
 
 
 @dataclass

@@ -22,7 +22,7 @@ import torch
 
 from common.protocol import SamplingParams
 from common.settings import WorkerSettings
-from worker.core import StepKind, StepOutput, StepResult
+from worker.core import StepKind, StepOutput, StepResult, cancel_waiting
 from worker.llamacpp.library import DecodeError, NoRoom, Row
 from worker.llamacpp.model import LlamaCppModel, load
 from worker.output import OutputProcessor, SequenceText
@@ -114,10 +114,8 @@ class LlamaCppEngine:
         self.waiting.append(_Sequence(text, list(prompt_ids), new_generator(params, torch.device("cpu"))))
 
     def cancel(self, request_id: str) -> bool:
-        for sequence in self.waiting:
-            if sequence.request_id == request_id:
-                self.waiting.remove(sequence)
-                return True
+        if cancel_waiting(self.waiting, request_id):
+            return True
         for sequence in self.running:
             if sequence.request_id == request_id:
                 self._leave(sequence)
