@@ -1,6 +1,7 @@
 """The seam between the worker loop and an engine, free of torch: what a step returns and what the
-loop may ask of an engine and a model. `worker/own/engine.py` (the model) and `worker/sim.py`
-(ENGINE=sim, no torch) both implement it."""
+loop may ask of an engine and a model. Four implement it: the own engine (ENGINE=hf, worker/own/),
+vLLM's (ENGINE=vllm, worker/vllm/), llama.cpp's (ENGINE=llamacpp, worker/llamacpp/) and ENGINE=sim
+(worker/sim.py, no torch); docs/architecture.md's "Adding an engine" says what a fifth needs."""
 
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ class PrefixRouting(Protocol):
 
 
 class Engine(Protocol):
-    name: str  # hf, vllm or sim: the heartbeat tells the gateway, which refuses what this engine cannot do
+    name: str  # hf, vllm, llamacpp or sim: the heartbeat tells the gateway, which refuses what it cannot do
     slots: int
     routing: PrefixRouting | None  # None: no prefix cache (ENGINE=sim, or the cache turned off)
 
