@@ -24,8 +24,9 @@ VLLM_TESTS = tests/test_engine_contract.py tests/test_vllm_config.py
 # the scheduler on a real redis-server, settings and docs checks): an answer in about a minute on 2 cores. The
 # plugins left out are those no quick test uses and every pytest start would import (seconds of it).
 QUICK_TESTS = tests/test_policy.py tests/test_protocol.py tests/test_sampling.py tests/test_sandbox.py \
-	tests/test_sim.py tests/test_scheduler.py tests/test_cache.py tests/test_results.py tests/test_vllm_engine.py \
-	tests/test_compose.py tests/test_kubernetes.py tests/test_docs.py tests/test_imports.py tests/test_settings.py
+	tests/test_sim.py tests/test_output.py tests/test_scheduler.py tests/test_cache.py tests/test_results.py \
+	tests/test_vllm_engine.py tests/test_compose.py tests/test_kubernetes.py tests/test_docs.py tests/test_imports.py \
+	tests/test_settings.py
 QUICK_FLAGS = -q -p no:langsmith_plugin -p no:schemathesis -p no:hypothesispytest
 
 .PHONY: run test quick lint bench clean llamacpp

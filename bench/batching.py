@@ -21,9 +21,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench.provenance import provenance, write_results  # noqa: E402
 from harness.stacks import private_stack  # noqa: E402
-from llmserve.bench.client import Sampling, Target  # noqa: E402
-from llmserve.bench.run import HEADER, Level, format_row, run_level  # noqa: E402
-from llmserve.bench.workload import Lengths, make_jobs  # noqa: E402
+from llmserve.loadgen.client import Sampling, Target  # noqa: E402
+from llmserve.loadgen.run import HEADER, Level, format_row, run_level  # noqa: E402
+from llmserve.loadgen.workload import Lengths, make_jobs  # noqa: E402
 
 MODES = ("continuous", "static")
 

@@ -24,10 +24,10 @@ sys.path.insert(0, str(ROOT))
 
 from bench.provenance import provenance, write_results  # noqa: E402
 from harness.stacks import private_stack  # noqa: E402
-from llmserve.bench.client import Outcome, Sampling, Target, stream  # noqa: E402
-from llmserve.bench.run import Level, run_level  # noqa: E402
-from llmserve.bench.stats import describe  # noqa: E402
-from llmserve.bench.workload import Lengths, make_jobs  # noqa: E402
+from llmserve.loadgen.client import Outcome, Sampling, Target, stream  # noqa: E402
+from llmserve.loadgen.run import Level, run_level  # noqa: E402
+from llmserve.loadgen.stats import describe  # noqa: E402
+from llmserve.loadgen.workload import Lengths, make_jobs  # noqa: E402
 from worker.own.planner import DEFAULT_CHUNK  # noqa: E402
 
 STREAMS = 16

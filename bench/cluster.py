@@ -32,10 +32,10 @@ from common.settings import Settings  # noqa: E402
 from gateway.bus import Bus  # noqa: E402
 from harness.stacks import private_stack  # noqa: E402
 from harness.topology import start_cluster  # noqa: E402
-from llmserve.bench.client import Sampling, Target  # noqa: E402
-from llmserve.bench.run import Level, run_level  # noqa: E402
-from llmserve.bench.workload import Lengths, make_jobs  # noqa: E402
 from llmserve.launcher import start_redis  # noqa: E402
+from llmserve.loadgen.client import Sampling, Target  # noqa: E402
+from llmserve.loadgen.run import Level, run_level  # noqa: E402
+from llmserve.loadgen.workload import Lengths, make_jobs  # noqa: E402
 from llmserve.processes import free_port  # noqa: E402
 
 KINDS = ("single", "cluster")

@@ -24,9 +24,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench.provenance import provenance, update_results  # noqa: E402
 from harness.stacks import PrivateStack, private_stack  # noqa: E402
-from llmserve.bench.client import Sampling, Target  # noqa: E402
-from llmserve.bench.run import Level, run_level  # noqa: E402
-from llmserve.bench.workload import Lengths, make_jobs  # noqa: E402
+from llmserve.loadgen.client import Sampling, Target  # noqa: E402
+from llmserve.loadgen.run import Level, run_level  # noqa: E402
+from llmserve.loadgen.workload import Lengths, make_jobs  # noqa: E402
 
 
 def service(running: PrivateStack, name: str) -> psutil.Process:

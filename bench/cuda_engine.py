@@ -33,7 +33,7 @@ from bench.provenance import provenance, results_path, write_results  # noqa: E4
 from bench.stack_throughput import PROMPTS  # noqa: E402
 from common.protocol import SamplingParams  # noqa: E402
 from common.settings import Settings  # noqa: E402
-from llmserve.bench.workload import Lengths, make_jobs  # noqa: E402
+from llmserve.loadgen.workload import Lengths, make_jobs  # noqa: E402
 
 # The probes of the correctness part: bench/stack_throughput.py's first prompts.
 PROBES = PROMPTS[:6]
@@ -326,8 +326,8 @@ def decode(args: argparse.Namespace) -> int:
 
 def stack(args: argparse.Namespace) -> int:
     from harness.stacks import private_stack
-    from llmserve.bench.client import Sampling, Target
-    from llmserve.bench.run import HEADER, Level, format_row, run_level
+    from llmserve.loadgen.client import Sampling, Target
+    from llmserve.loadgen.run import HEADER, Level, format_row, run_level
     from llmserve.processes import free_port
 
     started = started_record()

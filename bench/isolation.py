@@ -32,7 +32,7 @@ from bench.memory import memory_mb  # noqa: E402
 from bench.provenance import provenance, update_results  # noqa: E402
 from harness.sse import aparse  # noqa: E402
 from harness.stacks import private_stack  # noqa: E402
-from llmserve.bench.stats import describe  # noqa: E402
+from llmserve.loadgen.stats import describe  # noqa: E402
 
 SIM = {"ENGINE": "sim", "SIM_STEP_MS": "20", "SIM_STEP_PER_SEQ_MS": "0.5", "LOG_LEVEL": "WARNING",
        "HEARTBEAT_INTERVAL": "0.3", "WORKER_TTL": "2"}

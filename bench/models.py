@@ -26,9 +26,9 @@ sys.path.insert(0, str(ROOT))
 from bench.control_plane import service, sim_settings  # noqa: E402
 from bench.provenance import provenance, results_path, update_results  # noqa: E402
 from harness.stacks import private_stack  # noqa: E402
-from llmserve.bench.client import Sampling, Target  # noqa: E402
-from llmserve.bench.run import Level, run_level  # noqa: E402
-from llmserve.bench.workload import Lengths, make_jobs  # noqa: E402
+from llmserve.loadgen.client import Sampling, Target  # noqa: E402
+from llmserve.loadgen.run import Level, run_level  # noqa: E402
+from llmserve.loadgen.workload import Lengths, make_jobs  # noqa: E402
 
 
 def mix(url: str, models: list[str], requests: int) -> dict[str, object]:

@@ -28,9 +28,9 @@ sys.path.insert(0, str(ROOT))
 from bench.peers import LLAMA_SERVER, peer_server  # noqa: E402
 from bench.provenance import provenance, write_results  # noqa: E402
 from harness.stacks import private_stack  # noqa: E402
-from llmserve.bench.client import Sampling, Target  # noqa: E402
-from llmserve.bench.run import HEADER, Level, discover_model, format_row, run_level  # noqa: E402
-from llmserve.bench.workload import Lengths, make_jobs  # noqa: E402
+from llmserve.loadgen.client import Sampling, Target  # noqa: E402
+from llmserve.loadgen.run import HEADER, Level, discover_model, format_row, run_level  # noqa: E402
+from llmserve.loadgen.workload import Lengths, make_jobs  # noqa: E402
 from llmserve.processes import free_port  # noqa: E402
 from worker.own.engine import DEFAULT_PREFIX_BYTES  # noqa: E402
 from worker.prompts import bundled_gguf  # noqa: E402

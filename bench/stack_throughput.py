@@ -30,9 +30,9 @@ sys.path.insert(0, str(ROOT))
 from bench.provenance import RESULTS, provenance, write_results  # noqa: E402,F401 (RESULTS: other benches' import)
 from common.settings import Settings  # noqa: E402
 from harness.stacks import private_stack  # noqa: E402
-from llmserve.bench.client import Sampling, Target  # noqa: E402
-from llmserve.bench.run import Level, run_level  # noqa: E402
-from llmserve.bench.workload import Job  # noqa: E402
+from llmserve.loadgen.client import Sampling, Target  # noqa: E402
+from llmserve.loadgen.run import Level, run_level  # noqa: E402
+from llmserve.loadgen.workload import Job  # noqa: E402
 from worker.own.model import LoadedModel, load_model  # noqa: E402
 from worker.weights.quant import Int8Linear  # noqa: E402
 

@@ -38,9 +38,9 @@ from bench.memory import memory_mb  # noqa: E402
 from bench.peers import measure, median_levels, peer_server  # noqa: E402
 from bench.provenance import provenance, write_results  # noqa: E402
 from harness.stacks import private_stack  # noqa: E402
-from llmserve.bench.client import Sampling, Target  # noqa: E402
-from llmserve.bench.run import Level, discover_model, run_level  # noqa: E402
-from llmserve.bench.workload import Lengths, make_jobs  # noqa: E402
+from llmserve.loadgen.client import Sampling, Target  # noqa: E402
+from llmserve.loadgen.run import Level, discover_model, run_level  # noqa: E402
+from llmserve.loadgen.workload import Lengths, make_jobs  # noqa: E402
 from llmserve.processes import free_port  # noqa: E402
 from worker.prompts import bundled_gguf  # noqa: E402
 

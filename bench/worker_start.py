@@ -23,9 +23,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench.provenance import provenance, write_results  # noqa: E402
 from harness.stacks import private_stack  # noqa: E402
-from llmserve.bench.client import Sampling, Target, stream  # noqa: E402
-from llmserve.bench.run import Level, run_level  # noqa: E402
-from llmserve.bench.workload import Job, Lengths, make_jobs  # noqa: E402
+from llmserve.loadgen.client import Sampling, Target, stream  # noqa: E402
+from llmserve.loadgen.run import Level, run_level  # noqa: E402
+from llmserve.loadgen.workload import Job, Lengths, make_jobs  # noqa: E402
 
 
 def one_start(threads: int) -> dict[str, float]:

@@ -1,6 +1,6 @@
 """Constraints on what a request may generate, as llguidance grammars. The gateway builds and checks
 them (a bad schema is a 400 before any worker sees it); the worker enforces them token by token
-(worker/own/grammar.py). One library on both sides, so what the gateway accepts the worker can run.
+(worker/grammar.py). One library on both sides, so what the gateway accepts the worker can run.
 
 JSON is generated with fixed separators and no other whitespace: the text reads like `json.dumps`, and a
 small model cannot spend its tokens on an endless run of blanks between two values."""

@@ -118,6 +118,11 @@ class Keys:
         """Hash of a tenant's quota window: the minute, its requests and its tokens (counted by ADMIT and SPEND)."""
         return self._shared(f"quota:{tenant}")
 
+    def spent(self, head: str) -> str:
+        """Hash of what a stream's readers counted in its key's quota, per choice (SPEND): shared tag, beside the
+        quota window it adds to, so that a resumed or retried stream counts each token once."""
+        return self._shared(f"spent:{head}")
+
     @property
     def quotas(self) -> str:
         """Hash of per-key quotas: tenant (an API key's digest) -> "requests_per_minute tokens_per_minute"."""

@@ -230,7 +230,8 @@ class StreamMeta(msgspec.Struct, tag="stream"):
     header of the results log of its first request_id (`Keys.log`): the API and its answer's shape,
     and whom it belongs to."""
 
-    # "seed" (/generate_stream), "completion" or "chat" (the OpenAI routes).
+    # "seed" (/generate_stream, the native API: the name it has had on the wire since the first version),
+    # "completion" or "chat" (the OpenAI routes).
     api: Literal["seed", "completion", "chat"]
     # One per choice (each prompt times n, in the order of the answer's choices); the first names the stream.
     request_ids: list[str]

@@ -15,14 +15,14 @@ and its status moves only forward (MOVE_BATCH)."""
 # window, the per-key quotas, then the n logs (none in a cluster). ARGV: max queue, max queue bytes, stream
 # maxlen, key limit (0: none), seconds a request counts against its key, n, the logs' expiry in ms (0: no
 # logs), the lease in ms (0: none), the header of the first log (the StreamMeta), whether the tenant is an API
-# key (its quotas apply: '1'), the default requests and tokens per minute (0: none), the tenant, then n request
-# ids, then n payloads. A quota window is a calendar minute of Redis' clock: w (the minute), r (requests), t
-# (tokens, added as streams end: SPEND).
+# key (its quotas apply: '1'), the default requests and tokens per minute (0: none), the tenant, the stream's
+# payload field (common/streams.py owns it and the maxlen), then n request ids, then n payloads. A quota window
+# is a calendar minute of Redis' clock: w (the minute), r (requests), t (tokens, added as streams end: SPEND).
 ADMIT = """
 local n = tonumber(ARGV[6])
-local ids, payloads = 14, 14 + n
+local ids, payloads = 15, 15 + n
 local size = 0
-for i = payloads, 13 + 2 * n do size = size + #ARGV[i] end
+for i = payloads, 14 + 2 * n do size = size + #ARGV[i] end
 local queued = tonumber(redis.call('GET', KEYS[1]) or '0')
 if queued > 0 and queued + n > tonumber(ARGV[1]) then return 'queue_full' end
 local queued_bytes = tonumber(redis.call('GET', KEYS[2]) or '0')
@@ -68,22 +68,46 @@ for k = 8, #KEYS do
   redis.call('PEXPIRE', KEYS[k], log_ttl)
 end
 if lease > 0 then redis.call('ZADD', KEYS[5], math.floor(now * 1000) + lease, ARGV[ids]) end
-for i = payloads, 13 + 2 * n do
-  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'm', ARGV[i])
+for i = payloads, 14 + 2 * n do
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', ARGV[14], ARGV[i])
 end
 return 'ok'
 """
 
 
-# Tokens a stream delivered (and its prompt's) counted in its key's quota window, when it ends.
+# A stream's tokens counted in its key's quota window as a reader of it ends, each only once however many read it
+# (a resume, an idempotent retry replay what another counted): the stream's hash keeps, per choice, the tokens
+# counted (t<choice>) and whether its prompt was (p<choice>), and only what goes past them counts. A stream without
+# a results log has no other reader, and no hash.
+# KEYS: the key's quota window, then the stream's counted hash (none without a log). ARGV: the hash's expiry in
+# seconds, then for each choice the tokens the reader saw of it and its prompt's (0 until its end is seen).
+# Returns the tokens counted now.
 SPEND = """
+local added = 0
+for i = 2, #ARGV, 2 do
+  local choice = tostring((i - 2) / 2)
+  local seen, prompt = tonumber(ARGV[i]), tonumber(ARGV[i + 1])
+  if #KEYS == 1 then
+    added = added + seen + prompt
+  else
+    local counted = tonumber(redis.call('HGET', KEYS[2], 't' .. choice) or '0')
+    if seen > counted then
+      added = added + seen - counted
+      redis.call('HSET', KEYS[2], 't' .. choice, seen)
+    end
+    if prompt > 0 and redis.call('HSETNX', KEYS[2], 'p' .. choice, prompt) == 1 then added = added + prompt end
+  end
+end
+if #KEYS > 1 then redis.call('EXPIRE', KEYS[2], ARGV[1]) end
+if added == 0 then return 0 end
 local clock = redis.call('TIME')
 local window = math.floor(tonumber(clock[1]) / 60)
 if tonumber(redis.call('HGET', KEYS[1], 'w') or '-1') ~= window then
   redis.call('HSET', KEYS[1], 'w', window, 'r', 0, 't', 0)
 end
-redis.call('HINCRBY', KEYS[1], 't', ARGV[1])
+redis.call('HINCRBY', KEYS[1], 't', added)
 redis.call('EXPIRE', KEYS[1], 120)
+return added
 """
 
 

@@ -10,10 +10,11 @@ from redis.asyncio import Redis
 from common import scripts
 from common.errors import ErrorCode
 from common.journey import stamp
-from common.keys import REQUEST_STREAM_MAXLEN, Keys
+from common.keys import Keys
 from common.protocol import ProtocolError, StreamMeta, Submit, encode
 from common.runtime import REDIS_ERRORS
 from common.settings import GatewaySettings
+from common.streams import StreamWriter
 from gateway import metrics
 from gateway.leases import Leases
 
@@ -67,12 +68,13 @@ class Admission:
         tenant = submits[0].tenant
         keys = [self.keys.queued, self.keys.queued_bytes, self.keys.requests, self.keys.in_flight(tenant),
                 self.keys.leases, self.keys.quota(tenant), self.keys.quotas, *([] if self.cluster else logs)]
+        field, cap = StreamWriter.admit_arguments()
         pipe.eval(scripts.ADMIT, len(keys), *keys,
                   self.settings.max_queue >> background, self.settings.max_queue_bytes >> background,
-                  REQUEST_STREAM_MAXLEN, key_limit,
+                  cap, key_limit,
                   self._wait_seconds(submits) + RUN_BOUND_SECONDS, len(submits), log_ttl, lease, header,
                   "1" if self.keyed and not background else "0", self.settings.key_rpm, self.settings.key_tpm, tenant,
-                  *(s.request_id for s in submits), *payloads)
+                  field, *(s.request_id for s in submits), *payloads)
         # A failed trace stamp must not fail an admitted request: only the script's answer counts.
         *_, verdict = await pipe.execute(raise_on_error=False)
         if verdict != b"ok" and self.cluster and logs:

@@ -37,7 +37,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         await app.state.bus.stop()
 
     app = FastAPI(title="llmserve", lifespan=lifespan,
-                  description="LLM serving over a Redis message bus: the seed's routes and an OpenAI-compatible API.")
+                  description="LLM serving over a Redis message bus: the native /generate routes and an "
+                  "OpenAI-compatible API.")
     errors.install(app)
     app.include_router(routes.router)
     app.include_router(openai_api.router)

@@ -21,7 +21,7 @@ class Ceiling:
     why: str
 
 
-# vLLM's SamplingParams refuses a temperature above 2 (OpenAI's bound; the seed's /generate allows up to 100).
+# vLLM's SamplingParams refuses a temperature above 2 (OpenAI's bound; /generate allows up to 100).
 CEILINGS = (Ceiling("vllm", "temperature", 2.0, "vLLM takes temperatures up to 2"),)
 
 

@@ -1,4 +1,4 @@
-"""How a ResultStream reaches the client: the seed's events and the OpenAI chunks, each event with
+"""How a ResultStream reaches the client: the /generate routes' events and the OpenAI chunks, each event with
 its id (gateway/sse.py), the same for a stream and for its resumption; and the response that
 ends the stream however the connection ends."""
 
@@ -41,7 +41,7 @@ def done_fields(request_id: str, done: Done) -> dict[str, object]:
             "completion_tokens": done.completion_tokens}
 
 
-async def seed_events(stream: ResultStream) -> AsyncIterator[bytes]:
+async def generate_events(stream: ResultStream) -> AsyncIterator[bytes]:
     """/generate_stream's events: one per token, then the end (or an `error` event)."""
     rid = stream.head
     async for _, result in stream:
@@ -178,9 +178,10 @@ def usage(dones: list[Done], n: int) -> dict[str, int]:
 def usage_so_far(stream: ResultStream, n: int) -> dict[str, int]:
     """Usage of what the stream has seen: an ended choice's own counts, else the tokens seen of it. A prompt
     counts once its first choice has ended, as only the worker's end tells it."""
-    completion = sum(d.completion_tokens if (d := stream.dones.get(c)) else stream.tokens[c]
+    seen = stream.positions
+    completion = sum(d.completion_tokens if (d := seen.dones.get(c)) else seen.tokens[c]
                      for c in range(len(stream.request_ids)))
-    prompt = sum(d.prompt_tokens for c in range(0, len(stream.request_ids), n) if (d := stream.dones.get(c)))
+    prompt = sum(d.prompt_tokens for c in range(0, len(stream.request_ids), n) if (d := seen.dones.get(c)))
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -203,7 +204,7 @@ async def chunk_events(stream: ResultStream, shape: Shape, meta: StreamMeta,
         if isinstance(result, Error):
             yield stream.preamble() + sse(ApiError.of_result(result).body(), event_id=stream.current_id)
             break
-        first = stream.is_first(choice, result)
+        first = stream.positions.is_first(choice, result)
         reader = calls[choice] if calls else None
         if isinstance(result, Token):
             delta = shape.delta(choice, result, first, None, reader)
@@ -229,6 +230,7 @@ def _tool_deltas(stream: ResultStream) -> list[ToolDeltas]:
 
 
 def _final_usage(stream: ResultStream, n: int) -> dict[str, int]:
-    if len(stream.dones) == len(stream.request_ids):
-        return usage([stream.dones[i] for i in sorted(stream.dones)], n)
+    dones = stream.positions.dones
+    if len(dones) == len(stream.request_ids):
+        return usage([dones[i] for i in sorted(dones)], n)
     return usage_so_far(stream, n)

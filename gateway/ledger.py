@@ -25,6 +25,9 @@ from gateway.leases import Leases
 
 log = logging.getLogger("gateway")
 
+# How long a stream's count of the tokens counted outlives RESUME_TTL and RESUME_GRACE: past its last reader's end.
+SPENT_MARGIN_SECONDS = 60
+
 
 class Ledger:
     def __init__(self, redis: Redis, keys: Keys, settings: GatewaySettings, leases: Leases) -> None:
@@ -102,10 +105,15 @@ class Ledger:
                 publish_results(pipe, self.keys, self.settings, [(rid, payload, "")])
                 await pipe.execute()
 
-    async def spend(self, tenant: str, tokens: int) -> None:
-        """Count `tokens` in the key's quota window (keys on only: without them a tenant is one request)."""
-        if self.keyed and tokens > 0:
-            await self.redis.eval(scripts.SPEND, 1, self.keys.quota(tenant), tokens)
+    async def spend(self, tenant: str, head: str, used: list[tuple[int, int]], logged: bool) -> None:
+        """Count what a reader of stream `head` saw of each choice (its tokens, its prompt's once it ended) in the
+        key's quota window (keys on only: without them a tenant is one request). A `logged` stream may have had
+        other readers (a resume, an idempotent retry): what one of them counted already is not counted again, for
+        as long as anyone may still read the stream."""
+        if self.keyed and any(tokens or prompt for tokens, prompt in used):
+            keys = [self.keys.quota(tenant), *([self.keys.spent(head)] if logged else [])]
+            expiry = int(self.settings.resume_ttl + self.settings.resume_grace) + SPENT_MARGIN_SECONDS
+            await self.redis.eval(scripts.SPEND, len(keys), *keys, expiry, *(n for pair in used for n in pair))
 
     def _settle(self, pipe: Pipeline, request_ids: list[str], tenant: str) -> None:
         """The stream needs nothing more: no lease, and its requests stop counting against their key."""

@@ -15,9 +15,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from common.errors import ErrorCode
 from common.tracing import Tracing
 from gateway.errors import ApiError
+from gateway.page import ASSETS
 
 # The page itself carries no data; the calls it makes need the key the user types in.
-OPEN_PATHS = {"/health", "/", "/static/app.js", "/static/style.css"}
+OPEN_PATHS = {"/health", "/", *(f"/static/{name}" for name in ASSETS)}
 TENANT_HEX = 16
 
 

@@ -14,7 +14,10 @@ from common.errors import ErrorCode
 from gateway.errors import ApiError
 
 STATIC = Path(__file__).parent / "static"
-ASSETS = {"app.js": "text/javascript; charset=utf-8", "style.css": "text/css; charset=utf-8"}
+SCRIPT, STYLE = "text/javascript; charset=utf-8", "text/css; charset=utf-8"
+# app.js: what the page's scripts share, and its start; playground.js: the playground; views.js: the cluster, the
+# batch jobs and the journeys.
+ASSETS = {"app.js": SCRIPT, "playground.js": SCRIPT, "views.js": SCRIPT, "style.css": STYLE}
 # The files change with the package, not with time: let browsers keep them but check back each load.
 REVALIDATE = {"Cache-Control": "no-cache"}
 

@@ -16,7 +16,7 @@ from common.errors import ErrorCode
 from common.protocol import Error, StreamMeta
 from gateway import metrics
 from gateway.errors import ApiError
-from gateway.formats import EventResponse, Shape, chunk_events, seed_events
+from gateway.formats import EventResponse, Shape, chunk_events, generate_events
 from gateway.sse import format_id, parse_id
 from gateway.streams import ResultStream
 from gateway.submits import bus_of, tenant_of
@@ -67,7 +67,7 @@ async def resume(request: Request, request_id: str,
         await stream.let_go()
         raise
     metrics.RESUMED.inc()
-    events = seed_events(stream) if meta.api == "seed" else chunk_events(stream, Shape.of(meta), meta)
+    events = generate_events(stream) if meta.api == "seed" else chunk_events(stream, Shape.of(meta), meta)
     return EventResponse(stream, events)
 
 

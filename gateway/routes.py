@@ -1,4 +1,4 @@
-"""The seed's routes (`/generate`, `/generate_stream`) and `/health`."""
+"""The /generate routes (`/generate`, `/generate_stream`: the native API, older than the OpenAI one) and `/health`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from common.protocol import Token
 from common.runtime import REDIS_ERRORS
 from gateway import idempotency
 from gateway.errors import ApiError
-from gateway.formats import EventResponse, done_fields, seed_events
+from gateway.formats import EventResponse, done_fields, generate_events
 from gateway.schemas import GenerateRequest
 from gateway.streams import gather, start
 from gateway.submits import bus_of, serving, stream_meta, submits_for
@@ -27,7 +27,7 @@ async def generate_stream(body: GenerateRequest, request: Request) -> EventRespo
     if stream is None:
         stream = await idempotency.started(request, claimed, start(bus_of(request), request, submits,
                                                                    stream_meta(request, submits, "seed")))
-    return EventResponse(stream, seed_events(stream))
+    return EventResponse(stream, generate_events(stream))
 
 
 @router.post("/generate", summary="Whole completions for one prompt or a list of prompts")

@@ -1,4 +1,4 @@
-"""Request bodies and their translation into bus messages. The seed-style and the
+"""Request bodies and their translation into bus messages. The /generate and the
 OpenAI routes share one set of sampling fields; only their defaults differ."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ TokenIds = list[Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_ID)]]
 
 
 class SamplingFields(BaseModel):
-    """Sampling controls shared by every generation route (defaults as in the seed). Every bound is one
+    """Sampling controls shared by every generation route (the /generate routes' defaults). Every bound is one
     the engine needs: integers fit its 64-bit tensors, floats are finite."""
 
     model_config = ConfigDict(allow_inf_nan=False)
@@ -119,7 +119,7 @@ class SamplingFields(BaseModel):
 
 
 class GenerateRequest(SamplingFields):
-    """`/generate` and `/generate_stream`, the seed's API."""
+    """`/generate` and `/generate_stream`, the native API."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -4,7 +4,7 @@ let a client resume a stream exactly.
 An event's id is where the client stands in every choice after that event: for each choice, the
 position of the last thing delivered (a token's index; its end, a Done or an Error, counts as one
 past its last token), -1 before anything; one number for n = 1 (`id: 12`, the token's index, as
-the seed's stream always had), dot-separated for more (`id: 12.7.-1`). Stateless and exact: sent
+/generate_stream always had), dot-separated for more (`id: 12.7.-1`). Stateless and exact: sent
 back as Last-Event-ID, it says which results the client still needs. The last event of an OpenAI
 stream (`data: [DONE]`) has the id `done`: the client has everything."""
 

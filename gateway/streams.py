@@ -1,10 +1,10 @@
 """The results of one HTTP request, as its client is to receive them: `ResultStream`, one object
 per request (its choices), async-iterable and closeable. It owns its subscription, its position in
-every choice (so that nothing reaches the client twice, whether it comes from the results log, a
-repeat after a migration or the live channel), its metrics, and how it ends: delivered, left to
-its lease when the client goes away (to be resumed on any gateway within RESUME_GRACE), or
-cancelled. The seed's routes and the OpenAI routes format its results (gateway/formats.py); a
-resume (gateway/resume.py) opens the same object at the client's Last-Event-ID.
+every choice (gateway/positions.py: nothing reaches the client twice, whether it comes from the
+results log, gateway/replay.py, a repeat after a migration or the live channel), its metrics, and
+how it ends: delivered, left to its lease when the client goes away (to be resumed on any gateway
+within RESUME_GRACE), or cancelled. The /generate routes and the OpenAI routes format its results
+(gateway/formats.py); a resume (gateway/resume.py) opens the same object at the client's Last-Event-ID.
 
 `start` admits a request and waits for its first result before any header is sent, so that a
 request refused by the queue or the worker keeps its HTTP status; `gather` collects whole answers."""
@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import AbstractAsyncContextManager
@@ -24,15 +23,16 @@ import anyio
 from fastapi import Request
 
 from common.errors import ErrorCode
-from common.protocol import Done, Error, ProtocolError, Result, StreamMeta, Submit, Token, decode
+from common.protocol import Error, Result, StreamMeta, Submit, Token
 from common.runtime import REDIS_ERRORS
 from gateway import metrics
 from gateway.admission import Refused
 from gateway.bus import Bus
 from gateway.errors import ApiError, ClientGone
 from gateway.mailbox import Mailbox
+from gateway.positions import Meter, Positions
+from gateway.replay import logged
 from gateway.results import BROKEN
-from gateway.sse import format_id
 
 log = logging.getLogger("gateway")
 T = TypeVar("T")
@@ -59,9 +59,7 @@ async def unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
 
 
 class ResultStream:
-    """Positions: for each choice, the position the client needs next (a token's index, or where the
-    choice's end falls: one past its last token). A result before that position has been delivered
-    already and is dropped; so is anything after a choice's end."""
+    """One HTTP request's choices as its client reads them, from `positions` (a resume's Last-Event-ID) on."""
 
     def __init__(self, bus: Bus, request_ids: list[str], meta: StreamMeta | None = None,
                  positions: list[int] | None = None, stop_on_error: bool = False, tenant: str = "",
@@ -75,22 +73,17 @@ class ResultStream:
         self.tenant = meta.tenant if meta else tenant
         choices = len(request_ids)
         self.resumed = positions is not None
-        self.next = [p + 1 for p in positions] if positions else [0] * choices
-        self.tokens = [0] * choices  # tokens seen of each choice, delivered or not: where its end falls
-        self.ended = [False] * choices
-        self.delivered_end = [False] * choices
+        self.positions = Positions(choices, positions)
+        self.meter = Meter(bus.throughput, choices, timed=not self.resumed and not background)
         # The tokens of each choice the client had before this stream began (a resume): formats that read the
         # text as a whole (tool calls) pick up from them.
         self.earlier: list[list[Token]] = [[] for _ in range(choices)]
-        self.dones: dict[int, Done] = {}
-        self.errors: dict[int, Error] = {}
         # An OpenAI stream ends with its first error, which a resumed client may have had already.
         self.stop_on_error = stop_on_error
-        self.stale_error = False
         # Results accepted but not yet taken (those of the log, and the first one held back by `first`), each
         # with the id of its event: the positions right after it.
         self.backlog: deque[tuple[int, Result, str]] = deque()
-        self.current_id = self.event_id()
+        self.current_id = self.positions.event_id()
         self.mailbox: Mailbox | None = None
         self._subscription: AbstractAsyncContextManager[Mailbox] | None = None
         self.holding = False  # this gateway extends the stream's lease while it is read here
@@ -99,9 +92,6 @@ class ResultStream:
         self.retry_ms: int | None = None
         if self.meta is not None and bus.leases.enabled:
             self.retry_ms = max(min(RETRY_MS, bus.leases.grace_ms // 2), 1)
-        self.started = time.monotonic()
-        self.last_at = [self.started] * choices
-        self.spent = 0  # tokens delivered here, and the prompts of choices that ended here: the key's quota
 
     @property
     def head(self) -> str:
@@ -109,18 +99,17 @@ class ResultStream:
 
     @property
     def all_ended(self) -> bool:
-        return all(self.ended)
+        return self.positions.all_ended
+
+    @property
+    def errors(self) -> dict[int, Error]:
+        """The choices that ended in an error, by index."""
+        return self.positions.errors
 
     @property
     def over(self) -> bool:
         """Nothing more to take: every choice has ended, or (OpenAI) one has failed."""
         return self.all_ended or (self.stop_on_error and bool(self.errors))
-
-    def event_id(self) -> str:
-        """The id of the event of the result last taken: where the client stands once it has that event."""
-        if len(self.next) == 1:
-            return str(self.next[0] - 1)
-        return format_id([position - 1 for position in self.next])
 
     def preamble(self) -> bytes:
         """What goes before the next event: once, the delay an EventSource is to wait before it reconnects
@@ -130,11 +119,6 @@ class ResultStream:
             return b""
         retry, self.retry_ms = self.retry_ms, None
         return b"retry: %d\n" % retry
-
-    def is_first(self, choice: int, result: Result) -> bool:
-        """Whether `result` is the first thing the client gets of its choice."""
-        position = result.index if isinstance(result, Token) else self.next[choice] - 1
-        return position == 0
 
     # Opening.
 
@@ -154,55 +138,15 @@ class ResultStream:
     async def replay(self) -> None:
         """Take what the logs hold past the client's positions (subscribed first: what the logs miss arrives
         live). Raises ApiError 410 when a log no longer reaches back to where the client stands."""
-        logs = await self.bus.ledger.read_logs(self.request_ids)
-        for choice, entries in enumerate(logs):
-            results = [] if entries is None else self._decoded(choice, entries)
-            # A log that is gone (its choice ended over RESUME_TTL ago) cannot be replayed exactly either.
-            if entries is None or self.next[choice] < self._first_kept(results):
-                raise ApiError.of(ErrorCode.STREAM_TRUNCATED, f"choice {choice} of the stream no longer keeps the "
-                                  f"results after position {self.next[choice] - 1} (RESUME_LOG_BYTES bounds what a "
-                                  "stream keeps)", "Last-Event-ID")
-            # A result is logged in the same step it is published, so no client can stand past the log's reach.
-            if self.next[choice] - 1 > self._reach(results):
-                raise ApiError.of(ErrorCode.INVALID_VALUE, f"Last-Event-ID must be the id of an event of this "
-                                  f"stream: choice {choice} has not reached position {self.next[choice] - 1}",
-                                  "Last-Event-ID")
+        for choice, results in enumerate(await logged(self.bus.ledger, self.request_ids, self.positions.next)):
+            earlier = self.earlier[choice]
             for result in results:
                 if self._accept(choice, result):
-                    self.backlog.append((choice, result, self.event_id()))
-                elif isinstance(result, Token) and result.index == len(self.earlier[choice]) < self.next[choice]:
-                    self.earlier[choice].append(result)
-        if self.stop_on_error and self.stale_error:
+                    self.backlog.append((choice, result, self.positions.event_id()))
+                elif isinstance(result, Token) and result.index == len(earlier) < self.positions.next[choice]:
+                    earlier.append(result)
+        if self.stop_on_error and self.positions.stale_error:
             self.backlog.clear()
-
-    def _decoded(self, choice: int, entries: list[bytes]) -> list[Result]:
-        results = []
-        for entry in entries:
-            try:
-                results.append(decode(entry, Result, self.bus.limit))
-            except ProtocolError as exc:
-                log.error("dropped a malformed logged result", extra={"request_id": self.request_ids[choice],
-                                                                      "error": str(exc)})
-        return results
-
-    @staticmethod
-    def _first_kept(results: list[Result]) -> int:
-        """The first position a trimmed log still holds."""
-        for result in results:
-            if isinstance(result, Token):
-                return result.index
-            if isinstance(result, Done):
-                return result.completion_tokens
-        return 0
-
-    @staticmethod
-    def _reach(results: list[Result]) -> int:
-        """The furthest position a log shows: its last token's, or its end's (one past its last token)."""
-        last = max((r.index for r in results if isinstance(r, Token)), default=-1)
-        end = next((r for r in results if not isinstance(r, Token)), None)
-        if end is None:
-            return last
-        return max(last + 1, end.completion_tokens if isinstance(end, Done) else 0)
 
     async def hold(self) -> None:
         """A resumed client reads the stream here: extend its lease now (if it has not lapsed) and from now on."""
@@ -231,52 +175,15 @@ class ResultStream:
                 raise StopAsyncIteration
             choice, result = await self.mailbox.get()
             if self._accept(choice, result):
-                self.current_id = self.event_id()
+                self.current_id = self.positions.event_id()
                 return choice, result
 
     def _accept(self, choice: int, result: Result) -> bool:
-        """Whether `result` is new to the client; moves its position either way."""
-        if choice >= len(self.ended) or self.ended[choice]:
-            return False
-        if isinstance(result, Token):
-            self.tokens[choice] = max(self.tokens[choice], result.index + 1)
-            if result.index < self.next[choice]:
-                return False  # delivered before this stream began, or repeated after a migration
-            self._count_token(choice, result)
-            self.next[choice] = result.index + 1
-            return True
-        self.ended[choice] = True
-        position = max(self.tokens[choice], result.completion_tokens if isinstance(result, Done) else 0)
-        fresh = position >= self.next[choice]
+        """Whether `result` is new to the client (its position moves either way); a new one is metered."""
+        fresh = self.positions.accept(choice, result)
         if fresh:
-            self.next[choice] = position + 1
-        self.delivered_end[choice] = fresh
-        if isinstance(result, Done):
-            self.dones[choice] = result
-        else:
-            self.errors[choice] = result
-            self.stale_error = self.stale_error or not fresh
-        if fresh:
-            self._count_end(result)
+            self.meter.taken(choice, result)
         return fresh
-
-    def _count_token(self, choice: int, token: Token) -> None:
-        clock = time.monotonic()
-        if not self.resumed and not self.background:
-            (metrics.ITL if token.index else metrics.TTFT).observe(clock - self.last_at[choice])
-        self.last_at[choice] = clock
-        self.spent += not self.background
-        metrics.TOKENS_OUT.inc()
-        self.bus.throughput.add(1)
-
-    def _count_end(self, result: Result) -> None:
-        if self.resumed or self.background:
-            return
-        metrics.E2E.observe(time.monotonic() - self.started)
-        if isinstance(result, Done):
-            self.spent += result.prompt_tokens
-            metrics.TOKENS_IN.inc(result.prompt_tokens)
-            metrics.QUEUE.observe(result.queue_s)
 
     # Ending.
 
@@ -333,15 +240,15 @@ class ResultStream:
             if ending is not None:
                 with contextlib.suppress(*REDIS_ERRORS, OSError):
                     await ending
-            if self.spent:
+            if not self.background:  # a batch job's lines count against no key's quota
                 with contextlib.suppress(*REDIS_ERRORS, OSError):
-                    await self.bus.ledger.spend(self.tenant, self.spent)
+                    await self.bus.ledger.spend(self.tenant, self.head, self.positions.used(), self.meta is not None)
 
     def pending(self) -> list[str]:
-        return [rid for rid, ended in zip(self.request_ids, self.ended, strict=True) if not ended]
+        return [rid for rid, ended in zip(self.request_ids, self.positions.ended, strict=True) if not ended]
 
     def delivered(self) -> list[str]:
-        return [rid for rid, done in zip(self.request_ids, self.delivered_end, strict=True) if done]
+        return [rid for rid, done in zip(self.request_ids, self.positions.delivered_end, strict=True) if done]
 
     def _too_slow(self) -> None:
         """The client stopped reading (its mailbox overflowed): cancel its requests now, though its handler is

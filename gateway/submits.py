@@ -1,5 +1,5 @@
 """From a validated HTTP body to the bus: one Submit per prompt and choice, and the StreamMeta a
-stream of them is resumed with. Shared by the seed's routes and the OpenAI routes."""
+stream of them is resumed with. Shared by the /generate routes and the OpenAI routes."""
 
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ import argparse
 import os
 
 from common.settings import SettingsError
-from llmserve.bench.run import add_arguments as add_bench_arguments
-from llmserve.bench.run import main as run_bench
+from llmserve.loadgen.run import add_arguments as add_bench_arguments
+from llmserve.loadgen.run import main as run_bench
 
 
 def _count(value: str) -> int:

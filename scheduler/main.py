@@ -192,7 +192,7 @@ class Scheduler:
         queued = self.queue.remove(rid)
         if queued:
             self.outcomes.leave_queue(pipe, [queued])
-            pipe.delete(self.keys.progress(rid))
+            self.outcomes.progress.forget(pipe, rid)
             self.outcomes.stamp(pipe, rid, "cancelled", where="queue")
             log.info("cancelled while queued", extra={"request_id": rid})
             return

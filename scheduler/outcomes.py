@@ -11,10 +11,12 @@ import redis
 from common.counters import QueueCounts
 from common.errors import ErrorCode
 from common.journey import stamp
-from common.keys import DEAD_LETTER_MAXLEN, SCHEDULER_GROUP, Keys
-from common.protocol import Error, Submit, encode, now
+from common.keys import SCHEDULER_GROUP, Keys
+from common.progress import Progress
+from common.protocol import Error, Submit, encode
 from common.resultlog import publish_results
 from common.settings import SchedulerSettings
+from common.streams import StreamWriter
 from scheduler import metrics
 from scheduler.policy import Queued
 
@@ -25,13 +27,15 @@ class Outcomes:
     def __init__(self, keys: Keys, settings: SchedulerSettings) -> None:
         self.keys, self.settings, self.limit = keys, settings, settings.max_message_bytes
         self.counts = QueueCounts(keys)
+        self.streams = StreamWriter(keys, self.limit)
+        self.progress = Progress(keys)
 
     def fail(self, pipe: redis.client.Pipeline, request_id: str, code: ErrorCode, message: str) -> None:
         """End a request the scheduler holds with an error to its client."""
         log.warning("request failed", extra={"request_id": request_id, "code": code, "error": message})
         # Published and logged like a worker's results, so that a client resuming the stream sees it too.
         publish_results(pipe, self.keys, self.settings, [(request_id, encode(Error(code, message), self.limit), "")])
-        pipe.delete(self.keys.progress(request_id))
+        self.progress.forget(pipe, request_id)
         self.stamp(pipe, request_id, "failed", code=code)
         metrics.FAILED.labels(code).inc()
 
@@ -40,9 +44,7 @@ class Outcomes:
         if submit is None:
             return
         metrics.DEAD_LETTERS.inc()
-        pipe.xadd(self.keys.dead_letters, {b"request_id": submit.request_id, b"reason": reason,
-                                           b"service": "scheduler", b"at": str(now())},
-                  maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+        self.streams.dead_letter(pipe, submit.request_id, reason, "scheduler")
         self.fail(pipe, submit.request_id, ErrorCode.DEAD_LETTER, f"the request was set aside: {reason}")
 
     def leave_queue(self, pipe: redis.client.Pipeline, items: list[Queued]) -> None:

@@ -108,7 +108,7 @@ class Roster:
         reads = self.redis.pipeline(transaction=False)
         for rid in assigned:
             reads.set(self.keys.owner(rid.decode()), "", ex=OWNER_TTL_SECONDS)
-            reads.lrange(self.keys.progress(rid.decode()), 0, -1)
+            self.outcomes.progress.read(reads, rid.decode())
         pipe = self.redis.pipeline(transaction=False)
         for rid in assigned:
             self.model_of.pop(rid.decode(), None)

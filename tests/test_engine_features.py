@@ -11,7 +11,7 @@ from tests.conftest import run_engine
 from worker.core import StepOutput
 from worker.own.engine import Engine
 from worker.own.model import LoadedModel
-from worker.own.sampling import MAX_TOP_LOGPROBS, sample
+from worker.sampling import MAX_TOP_LOGPROBS, sample
 from worker.stops import StopMatcher
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

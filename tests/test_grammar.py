@@ -16,8 +16,8 @@ from common import grammar
 from common.protocol import SamplingParams
 from tests.conftest import run_engine
 from worker.core import GrammarError
+from worker.grammar import Grammars
 from worker.own.engine import Engine
-from worker.own.grammar import Grammars
 from worker.own.model import LoadedModel
 
 PERSON = {"type": "object", "properties": {

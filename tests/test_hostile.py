@@ -192,7 +192,7 @@ COMPLETION_FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "t
                      "stream_options", "user", "logprobs", "echo"]
 CHAT_FIELDS = [f for f in COMPLETION_FIELDS if f not in {"prompt", "logprobs", "echo"}] + [
     "messages", "max_completion_tokens", "logprobs", "top_logprobs"]
-# The fields each route takes: the seed's routes refuse any other, the OpenAI ones ignore it.
+# The fields each route takes: the /generate routes refuse any other, the OpenAI ones ignore it.
 FIELDS = {"/generate": ["prompt", "prompts", *COMPLETION_FIELDS[2:13]], "/v1/completions": COMPLETION_FIELDS,
           "/v1/chat/completions": CHAT_FIELDS}
 FIELDS["/generate_stream"] = FIELDS["/generate"]

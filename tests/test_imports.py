@@ -62,15 +62,28 @@ def test_no_module_reaches_itself_through_its_imports():
 # Lower rooms import nothing of the rooms above them: the model paths and kernels serve the own engine and know
 # nothing of it; the text side and the engine seam serve every engine. What is installed needs nothing of the
 # harness of tests and benchmarks, which is not.
+# Engines sit side by side: what two of them share lives below both (worker.sampling, worker.grammar, worker.output),
+# and the wire protocol and the bus in common serve every service and know none of them.
+ENGINES = ("worker.own", "worker.llamacpp", "worker.vllm")
 BELOW = {**{package: ("harness",) for package in SHIPPED},
-         "worker.weights": ("worker.own", "worker.llamacpp", "worker.vllm", "worker.main"),
-         "worker.output": ("worker.own", "worker.llamacpp", "worker.vllm"),
-         "worker.core": ("worker.own", "worker.llamacpp", "worker.vllm")}
+         "common": ("gateway", "scheduler", "worker", "llmserve", "harness"),
+         "worker.weights": (*ENGINES, "worker.main"),
+         "worker.output": ENGINES,
+         "worker.core": ENGINES,
+         "worker.sampling": ENGINES,
+         "worker.grammar": ENGINES,
+         "worker.llamacpp": ("worker.own", "worker.vllm"),
+         "worker.vllm": ("worker.own", "worker.llamacpp")}
+
+
+def within(module: str, rooms: tuple[str, ...]) -> bool:
+    """Whether a module is one of these rooms or inside one (worker.ownership is not inside worker.own)."""
+    return any(module == room or module.startswith(f"{room}.") for room in rooms)
 
 
 def upward(edges: dict[str, set[str]]) -> list[str]:
     return sorted(f"{module} -> {target}" for module, targets in edges.items() for target in targets
-                  for room, above in BELOW.items() if module.startswith(room) and target.startswith(above))
+                  for room, above in BELOW.items() if within(module, (room,)) and within(target, above))
 
 
 def test_no_arrow_runs_back_up():
@@ -81,6 +94,13 @@ def test_the_check_sees_an_arrow_back_up():
     edges = graph()
     edges["worker.weights.blocks"].add("worker.own.cache")  # the arrow this check was written after
     assert upward(edges) == ["worker.weights.blocks -> worker.own.cache"]
+
+
+def test_the_check_sees_an_engine_reach_sideways():
+    edges = graph()
+    edges["worker.llamacpp.engine"].add("worker.own.sampling")  # the arrow the shared sampler replaced
+    edges["common.streams"].add("gateway.bus")
+    assert upward(edges) == ["common.streams -> gateway.bus", "worker.llamacpp.engine -> worker.own.sampling"]
 
 
 def test_the_check_sees_a_circle():

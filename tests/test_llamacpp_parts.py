@@ -12,7 +12,7 @@ from common.protocol import SamplingParams
 from worker.core import PromptTooLong
 from worker.llamacpp.cmake_args import cmake_args
 from worker.output import OutputProcessor
-from worker.own.sampling import Logprobs
+from worker.sampling import Logprobs
 
 AVX2_HOST = "processor\t: 0\nflags\t\t: fpu sse4_2 avx avx2 bmi2 fma f16c\n"
 AVX512_HOST = ("flags\t\t: sse4_2 avx avx2 bmi2 fma f16c avx512f avx512vbmi avx512_vnni avx512_bf16 avx_vnni "

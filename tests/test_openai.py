@@ -196,7 +196,8 @@ def test_a_non_streaming_client_that_leaves_cancels_its_request(stack: RunningSt
 
 
 # The page's own files carry no data (gateway/middleware.py): with /health, all a client without a key may read.
-OPEN = {"/health", "/", "/static/app.js", "/static/style.css"}
+PAGE_FILES = ["/static/app.js", "/static/playground.js", "/static/views.js", "/static/style.css"]
+OPEN = {"/health", "/", *PAGE_FILES}
 
 
 def app_routes(routes: list, prefix: str = "") -> Iterator[tuple[str, set[str]]]:
@@ -217,7 +218,7 @@ def every_route() -> list[tuple[str, str]]:
     assert set(app.openapi()["paths"]) <= {path for path, _ in walked}  # none missed
     routes = []
     for path, methods in walked:
-        paths = ["/static/app.js", "/static/style.css", "/static/other.js"] if path == "/static/{name}" else \
+        paths = [*PAGE_FILES, "/static/other.js"] if path == "/static/{name}" else \
             [re.sub(r"{[^}]+}", "0" * 32, path)]
         routes += [(method, filled) for method in sorted(methods) for filled in paths]
     return routes

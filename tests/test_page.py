@@ -98,7 +98,9 @@ def assert_figures(browser: webdriver.Chrome, tokens: int, finish: str) -> None:
 def test_the_page_and_only_its_files_are_served_without_external_resources(stack: RunningStack) -> None:
     page = httpx.get(f"{stack.url}/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
-    for name, kind in (("app.js", "text/javascript"), ("style.css", "text/css")):
+    scripts = sorted(path.name for path in STATIC.glob("*.js"))
+    assert all(f'src="/static/{script}"' in page.text for script in scripts)  # each one the page loads
+    for name, kind in (*((script, "text/javascript") for script in scripts), ("style.css", "text/css")):
         served = httpx.get(f"{stack.url}/static/{name}")
         assert served.status_code == 200 and served.headers["content-type"].startswith(kind)
         assert served.text == (STATIC / name).read_text()
@@ -107,7 +109,8 @@ def test_the_page_and_only_its_files_are_served_without_external_resources(stack
     # The machines that run it may be offline: nothing may come from another origin.
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", page.text)
     assert "url(" not in (STATIC / "style.css").read_text()
-    assert not re.search(r"""fetch\(\s*["'`](https?:)?//""", (STATIC / "app.js").read_text())
+    for script in scripts:
+        assert not re.search(r"""fetch\(\s*["'`](https?:)?//""", (STATIC / script).read_text())
 
 
 # Marked, not skipped in the fixture, so that the stack does not start for a test that cannot run.

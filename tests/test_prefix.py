@@ -15,8 +15,8 @@ from common.errors import SettingsError
 from common.prefix_keys import ID_BLOCK, MAX_KEYS, TEXT_BLOCK, prefix_keys
 from common.protocol import ChatMessage, Heartbeat, SamplingParams, Submit, decode, encode
 from common.settings import Settings
-from llmserve.bench.client import Sampling, Target
-from llmserve.bench.workload import Lengths, make_jobs
+from llmserve.loadgen.client import Sampling, Target
+from llmserve.loadgen.workload import Lengths, make_jobs
 from scheduler.policy import EXPECTED_LIMIT, EXPECTED_TTL, Queued, WaitingQueue, WorkerState, choose, plan
 from tests.conftest import RunningStack, native_kernels, run_engine, wait_for
 from worker.core import StepOutput

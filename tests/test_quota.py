@@ -1,7 +1,8 @@
 """Per-key quotas (KEY_RPM, KEY_TPM, `llmserve quota`) on a real redis-server, two real gateways, a scheduler and an
 ENGINE=sim worker as processes, over real HTTP: a key's requests per minute are counted across both gateways and the
-next one is a 429 with Retry-After to the minute's end; its tokens per minute count as its streams end; another key
-is untouched; one key's own quota, set from the command line while the stack runs, replaces the defaults."""
+next one is a 429 with Retry-After to the minute's end; its tokens per minute count as its streams end, each token
+once however many readers a stream has (dropped and resumed, replayed); another key is untouched; one key's own
+quota, set from the command line while the stack runs, replaces the defaults."""
 
 from __future__ import annotations
 
@@ -15,11 +16,14 @@ import httpx
 import pytest
 
 from common.clients import sync_client
+from common.keys import Keys
+from gateway.middleware import tenant_of
 from harness.stacks import PrivateStack
 from tests.conftest import sim_stack
+from tests.sse import read
 
 NAMESPACE = "quota"
-SETTINGS = {"API_KEYS": "alpha,beta,gamma", "KEY_RPM": "3", "NAMESPACE": NAMESPACE, "SIM_STEP_MS": "5"}
+SETTINGS = {"API_KEYS": "alpha,beta,gamma,delta", "KEY_RPM": "3", "NAMESPACE": NAMESPACE, "SIM_STEP_MS": "5"}
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +75,33 @@ def test_a_key_s_own_token_quota_replaces_the_defaults(sim: PrivateStack) -> Non
     assert refused.status_code == 429 and "50 tokens" in refused.json()["error"]["message"]
     assert [complete(sim.url, "gamma").status_code for _ in range(2)] == [429, 429]  # no rpm of its own: tokens
     assert "3 requests" in quota(sim, "gamma", "--clear")  # back to KEY_RPM
+
+
+def counted_tokens(sim: PrivateStack, key: str) -> int:
+    """The tokens of `key`'s quota window this minute, as admission reads them."""
+    used = sync_client(sim.redis_url).hget(Keys(NAMESPACE).quota(tenant_of(key.encode())), "t")
+    return int(used or 0)
+
+
+def test_a_dropped_and_resumed_stream_counts_its_tokens_once(sim: PrivateStack) -> None:
+    within_one_minute(sim)
+    delta = {"Authorization": "Bearer delta"}
+    body = {"model": "sim", "prompt": "count me", "max_tokens": 40, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    broken = read(sim.urls[0], "/v1/completions", "POST", body, delta, upto=6)
+    answer_id = broken.events[0].data["id"]
+    resumed = {**delta, "Last-Event-ID": broken.events[-1].id}
+    rest = read(sim.urls[1], f"/v1/requests/{answer_id}/stream", headers=resumed)
+    assert rest.status == 200 and rest.events[-1].done
+    usage = rest.events[-2].data["usage"]
+    assert usage["completion_tokens"] == 40 and usage["prompt_tokens"] > 0
+    # A third reader replays the whole stream: everything it sees was counted already.
+    assert read(sim.urls[0], f"/v1/requests/{answer_id}/stream", headers=delta).events[-1].done
+    deadline = time.monotonic() + 10
+    while counted_tokens(sim, "delta") < usage["total_tokens"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # every reader's count has landed by now
+    assert counted_tokens(sim, "delta") == usage["total_tokens"]
 
 
 def test_a_negative_quota_is_refused_at_start(monkeypatch: pytest.MonkeyPatch) -> None:

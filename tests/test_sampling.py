@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from common.protocol import SamplingParams
-from worker.own.sampling import NUCLEUS_CANDIDATES, _candidates, sample
+from worker.sampling import NUCLEUS_CANDIDATES, _candidates, sample
 
 
 def reference(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import gguf
 import pytest
@@ -21,7 +22,7 @@ from gateway.schemas import GenerateRequest
 from worker.engines import choose, gguf_architecture
 from worker.vllm import DELIVERED
 from worker.vllm import model as vllm_model
-from worker.vllm.sampling import as_lark, resumed_biases, sampling_arguments
+from worker.vllm.sampling import as_lark, ranked, resumed_biases, sampling_arguments
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 
@@ -93,6 +94,17 @@ def test_a_resumed_request_asks_vllm_for_what_is_left() -> None:
     assert arguments["n"] == 1 and arguments["detokenize"] is False
     assert "logit_bias" not in arguments
     assert sampling_arguments(SamplingParams(max_tokens=3, min_tokens=9), [])["min_tokens"] == 3
+
+
+def test_vllm_log_probabilities_reach_the_output_processor_in_rank_order() -> None:
+    """vLLM's Logprob per token id (rank, logprob), the chosen token added when it is not among the top ones."""
+    def rank(order: int | None, value: float) -> SimpleNamespace:
+        return SimpleNamespace(rank=order, logprob=value)
+
+    position = {7: rank(3, -2.5), 4: rank(1, -0.25), 9: rank(2, -1.0), 5: rank(None, -9.0)}
+    picked = ranked(7, position, 2)
+    assert (picked.chosen, picked.top_ids, picked.top_values) == (-2.5, [4, 9], [-0.25, -1.0])
+    assert ranked(4, position, 5).top_ids == [4, 9, 7]
 
 
 def test_auto_picks_vllm_only_with_a_gpu_and_vllm_installed() -> None:

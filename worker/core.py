@@ -1,11 +1,13 @@
 """The seam between the worker loop and an engine, free of torch: what a step returns and what the
-loop may ask of an engine and a model. `worker/own/engine.py` (the model) and `worker/sim.py`
-(ENGINE=sim, no torch) both implement it."""
+loop may ask of an engine and a model. Four implement it: the own engine (ENGINE=hf, worker/own/),
+vLLM's (ENGINE=vllm, worker/vllm/), llama.cpp's (ENGINE=llamacpp, worker/llamacpp/) and ENGINE=sim
+(worker/sim.py, no torch); docs/architecture.md's "Adding an engine" says what a fifth needs."""
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypeVar
 
 # What Engine.add raises, besides PromptTooLong, for a grammar it cannot enforce.
 from common.errors import ErrorCode
@@ -30,6 +32,23 @@ def checked_ids(ids: list[int], vocab: int) -> list[int]:
     if outside is not None:
         raise PromptInvalid(f"the prompt names token {outside}; the model's vocabulary has {vocab} tokens")
     return list(ids)
+
+
+class Queued(Protocol):
+    @property
+    def request_id(self) -> str: ...
+
+
+Q = TypeVar("Q", bound=Queued)
+
+
+def cancel_waiting(waiting: deque[Q], request_id: str) -> bool:
+    """What an engine's cancel tries first: the request out of its waiting queue, if it is there still."""
+    for sequence in waiting:
+        if sequence.request_id == request_id:
+            waiting.remove(sequence)
+            return True
+    return False
 
 
 @dataclass
@@ -66,7 +85,7 @@ class PrefixRouting(Protocol):
 
 
 class Engine(Protocol):
-    name: str  # hf, vllm or sim: the heartbeat tells the gateway, which refuses what this engine cannot do
+    name: str  # hf, vllm, llamacpp or sim: the heartbeat tells the gateway, which refuses what it cannot do
     slots: int
     routing: PrefixRouting | None  # None: no prefix cache (ENGINE=sim, or the cache turned off)
 

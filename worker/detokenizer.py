@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # Decoding starts a few prompt tokens back so that tokenizers which drop a
 # leading space at the start of a text still render the first word right.

@@ -15,6 +15,7 @@ from common.errors import ErrorCode
 from common.journey import stamp
 from common.keys import PAYLOAD, Keys
 from common.prefix_keys import prefix_keys
+from common.progress import Progress
 from common.protocol import (
     Batch,
     Cancel,
@@ -42,18 +43,18 @@ from common.tracing import Tracing
 from worker import compat_metrics, engines, metrics
 from worker.core import Engine, GrammarError, Model, PromptInvalid, PromptTooLong, StepOutput, StepResult
 from worker.heartbeat import Heartbeats
+from worker.output import delivered_reason
 from worker.ownership import standing
 from worker.timing import Timing
 
 log = logging.getLogger("worker")
-
-PROGRESS_TTL_SECONDS = 3600
 
 class Worker:
     def __init__(self, settings: WorkerSettings, loaded: Model, engine: Engine) -> None:
         self.settings = settings
         self.keys = Keys(settings.namespace)
         self.streams = StreamWriter(self.keys, settings.max_message_bytes)
+        self.progress = Progress(self.keys)
         self.redis = sync_client(settings.redis_url)
         self.id = service_id()
         self.loaded = loaded
@@ -249,20 +250,21 @@ class Worker:
         self.streams.event(pipe, Returned(self.id, submit.request_id, reason))
 
     def _start(self, submit: Submit) -> None:
-        if len(submit.resume) >= submit.params.max_tokens:
-            self._complete(submit)
+        reason = delivered_reason(submit.params, submit.resume)
+        if reason is not None:
+            self._complete(submit, reason)
             return
         prompt_ids = self.loaded.prompt_ids(submit)
         self.engine.add(submit.request_id, prompt_ids, submit.params, submit.resume, submit.background)
         if self.engine.routing is not None:
             self.engine.routing.remember(prefix_keys(submit), prompt_ids)
 
-    def _complete(self, submit: Submit) -> None:
+    def _complete(self, submit: Submit, reason: str) -> None:
         """A migrated request whose tokens were all delivered: only its Done went missing."""
         pipe = self.redis.pipeline(transaction=False)
-        done = Done("length", len(self.loaded.prompt_ids(submit)), len(submit.resume))
+        done = Done(reason, len(self.loaded.prompt_ids(submit)), len(submit.resume))
         self._send(pipe, submit.request_id, done)
-        self._release(pipe, submit.request_id, "finished", reason="length", tokens=len(submit.resume))
+        self._release(pipe, submit.request_id, "finished", reason=reason, tokens=len(submit.resume))
         pipe.execute()
 
     def _fail(self, request_id: str, code: ErrorCode, message: str) -> None:
@@ -279,7 +281,7 @@ class Worker:
                                                                        cancel.request_id):
             log.info("cancelled", extra={"request_id": cancel.request_id})
             pipe = self.redis.pipeline(transaction=False)
-            pipe.delete(self.keys.progress(cancel.request_id))
+            self.progress.forget(pipe, cancel.request_id)
             self._release(pipe, cancel.request_id, "cancelled")
             pipe.execute()
 
@@ -327,7 +329,7 @@ class Worker:
                 self._stamp(pipe, rid, "prefill_done", prefill_ms=round(step_s * 1000, 3))
                 self._stamp(pipe, rid, "first_token", index=out.index)
             if out.index == 0:
-                pipe.expire(self.keys.progress(rid), PROGRESS_TTL_SECONDS)
+                self.progress.started(pipe, rid)
             if out.finish_reason:
                 queue_s = timing.queue_s if timing else 0.0
                 self._send(pipe, rid, Done(out.finish_reason, out.prompt_tokens, out.index + 1, queue_s))

@@ -4,15 +4,14 @@ worker/stops.py; stop strings count once min_tokens are out, as in vLLM), the en
 the context as finish reasons, log-probabilities as text, and the replay of a migrated request's delivered
 tokens, so that held-back text continues exactly where the lost worker left it. An engine only picks tokens:
 it opens a sequence, emits each token it picks (with its own reason to end, if it has one: a grammar complete,
-vLLM's), and reads from the sequence what it must feed back (`tokens`)."""
+vLLM's), and reads from the sequence what it must feed back (`tokens`). The prompt check and the finish by length
+are plain functions, for the worker loop and ENGINE=sim, which have no tokenizer."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Tokens
 from dataclasses import dataclass, field
-from typing import Protocol
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Protocol
 
 from common.errors import ErrorCode
 from common.protocol import SamplingParams, TokenLogprob
@@ -20,9 +19,36 @@ from worker.core import GrammarError, PromptTooLong, StepOutput
 from worker.detokenizer import Detokenizer
 from worker.stops import StopMatcher
 
+if TYPE_CHECKING:  # the prompt check and the finish decision serve ENGINE=sim, which has no transformers
+    from transformers import PreTrainedTokenizerBase
 
-class Ranked(Protocol):
-    """Log-probabilities of one token as an engine's sampler gives them (worker/own/sampling.py's Logprobs)."""
+
+def check_prompt(prompt_ids: Tokens[int], resume: Tokens[int], max_length: int) -> None:
+    """Raise PromptTooLong for a prompt that is empty or leaves no room for a token in the context."""
+    if not prompt_ids:
+        raise PromptTooLong("the prompt is empty after tokenisation")
+    if len(prompt_ids) + len(resume) >= max_length:
+        raise PromptTooLong(f"the prompt has {len(prompt_ids)} tokens; the model's context is "
+                            f"{max_length} tokens, prompt and completion together")
+
+
+def length_reason(params: SamplingParams, prompt_tokens: int, emitted: int, max_length: int) -> str | None:
+    """"length" once `emitted` tokens are max_tokens or fill the context, else None."""
+    if emitted >= params.max_tokens or prompt_tokens + emitted >= max_length:
+        return "length"
+    return None
+
+
+def delivered_reason(params: SamplingParams, resume: Tokens[int]) -> str | None:
+    """Why a migrated request ends on arrival, before any engine runs it: every token it may have was delivered
+    (only its Done went missing). A delivered run that fills the context is the prompt check's to refuse."""
+    return "length" if len(resume) >= params.max_tokens else None
+
+
+@dataclass
+class Logprobs:
+    """Log-probabilities of one token under the model's own distribution, as an engine's sampler gives them: the
+    chosen token's and the most likely ones', in rank order."""
 
     chosen: float
     top_ids: list[int]
@@ -30,7 +56,7 @@ class Ranked(Protocol):
 
 
 class Matcher(Protocol):
-    """A request's grammar as it checks each token (worker/own/grammar.py's LLMatcher)."""
+    """A request's grammar as it checks each token (worker/grammar.py's LLMatcher)."""
 
     def consume_token(self, token: int) -> bool: ...
     def is_stopped(self) -> bool: ...
@@ -71,28 +97,21 @@ class OutputProcessor:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_length = max_length
 
-    def check(self, prompt_ids: Tokens[int], resume: Tokens[int] = ()) -> None:
-        """Raise PromptTooLong for a prompt that is empty or leaves no room for a token in the context."""
-        if not prompt_ids:
-            raise PromptTooLong("the prompt is empty after tokenisation")
-        if len(prompt_ids) + len(resume) >= self.max_length:
-            raise PromptTooLong(f"the prompt has {len(prompt_ids)} tokens; the model's context is "
-                                f"{self.max_length} tokens, prompt and completion together")
-
     def open(self, request_id: str, prompt_ids: Tokens[int], params: SamplingParams,
-             resume: Tokens[int] = (), matcher: Matcher | None = None) -> SequenceText:
-        """A checked request's output, with the tokens another worker delivered replayed as it emitted them
-        (`matcher`, its grammar's, has taken them already)."""
-        self.check(prompt_ids, resume)
+             resume: Tokens[int] = ()) -> SequenceText:
+        """A request's output, with the tokens another worker delivered replayed as it emitted them. Raises
+        PromptTooLong first (check_prompt): an engine opens a request before it builds anything for it (a
+        grammar's matcher, which the engine sets on the sequence, must take the delivered tokens itself)."""
+        check_prompt(prompt_ids, resume, self.max_length)
         sequence = SequenceText(request_id, len(prompt_ids), params, Detokenizer(self.tokenizer, list(prompt_ids)),
-                                StopMatcher(params.stop) if any(params.stop) else None, matcher=matcher)
+                                StopMatcher(params.stop) if any(params.stop) else None)
         for token in resume:
             sequence.tokens.append(token)
             self._text(sequence, token, last=False, eos=False)
         return sequence
 
     def emit(self, sequence: SequenceText, token: int, reason: str | None = None,
-             logprobs: Ranked | None = None) -> StepOutput:
+             logprobs: Logprobs | None = None) -> StepOutput:
         """Token `token` of `sequence` as a StepOutput: the text it adds, less any held back for a possible stop
         string, and why the sequence ends, if it does. `reason` is the engine's own (a grammar complete, vLLM's);
         else the end of sequence, max_tokens or the context end it; a stop string may end it first."""
@@ -107,7 +126,7 @@ class OutputProcessor:
             output.logprob, output.top_logprobs = self.logprobs(token, logprobs)
         return output
 
-    def emit_pick(self, sequence: SequenceText, pick: tuple[int, Ranked | None] | None) -> StepOutput:
+    def emit_pick(self, sequence: SequenceText, pick: tuple[int, Logprobs | None] | None) -> StepOutput:
         """A sampled row's output. `pick` is its token and log-probabilities, None where no token could be
         sampled; a row whose token breaks its grammar or cannot become text fails alone."""
         if pick is None:
@@ -132,7 +151,7 @@ class OutputProcessor:
         return StepOutput(sequence.request_id, -1, sequence.emitted, "", None, sequence.prompt_tokens,
                           error=message, error_code=code)
 
-    def logprobs(self, token: int, ranked: Ranked) -> tuple[TokenLogprob, list[TokenLogprob]]:
+    def logprobs(self, token: int, ranked: Logprobs) -> tuple[TokenLogprob, list[TokenLogprob]]:
         decode = self.tokenizer.decode
         top = [TokenLogprob(decode([i]), value) for i, value in zip(ranked.top_ids, ranked.top_values, strict=True)]
         return TokenLogprob(decode([token]), ranked.chosen), top
@@ -141,11 +160,7 @@ class OutputProcessor:
         # A constrained answer ends at an end of sequence even with ignore_eos: its grammar allowed one.
         if token in self.eos_token_ids and (not sequence.params.ignore_eos or sequence.params.grammar):
             return "stop"
-        if sequence.emitted >= sequence.params.max_tokens:
-            return "length"
-        if sequence.prompt_tokens + sequence.emitted >= self.max_length:
-            return "length"
-        return None
+        return length_reason(sequence.params, sequence.prompt_tokens, sequence.emitted, self.max_length)
 
     @staticmethod
     def _text(sequence: SequenceText, token: int, last: bool, eos: bool) -> tuple[str, bool]:

@@ -1,12 +1,10 @@
 """The worker's prefix cache: the keys and values of prompt blocks, found again by the tokens up to their end.
 
-The engine prefills every prompt in blocks of `block` tokens at fixed boundaries from its first token, each
-block by a forward of the same shape (worker/own/engine.py). A block's keys and values then depend only on the
-tokens up to its end, so they are stored under a digest of those tokens (the block's own, chained onto its
-parent's), and a later prompt that starts with the same tokens takes its leading blocks from here and
-computes the rest exactly as it would have: a hit changes no bit of the output.
-
-Nothing here needs torch: a block is any value with `nbytes`, and the store is bounded by their sum.
+The engine prefills every prompt in blocks of `block` tokens at fixed boundaries from its first token, so a
+block's keys and values depend only on the tokens up to its end: they are stored under a digest of those tokens
+(chained onto its parent's), and a later prompt with the same start takes its leading blocks from here and
+computes the rest exactly as it would have: a hit changes no bit of the output (docs/engine.md). Nothing here
+needs torch: a block is any value with `nbytes`, and the store is bounded by their sum.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 scheduler, fan-out) can be measured and scaled past what the CPU model allows.
 Each step sleeps SIM_STEP_MS + SIM_STEP_PER_SEQ_MS x batch and gives every running
 sequence one word of a fixed vocabulary. For measurements only, never the default:
-it knows no end-of-sequence, stop strings or sampling; every request runs to
-`max_tokens`."""
+it knows no end-of-sequence, stop strings or sampling (no tokenizer: worker/output.py's
+OutputProcessor does not run here), but checks prompts and decides "length" with that
+module's own functions, so a request runs to `max_tokens` or its context, as on any engine."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from common.protocol import ChatMessage, Detokenize, SamplingParams, Submit, Tokenize, Tokens
-from worker.core import PromptTooLong, StepOutput, StepResult, checked_ids
+from worker.core import StepOutput, StepResult, checked_ids
+from worker.output import check_prompt, length_reason
 
 VOCAB = (
     " the", " of", " and", " to", " in", " is", " that", " it", " was", " for", " on", " are", " as", " with",
@@ -94,8 +96,7 @@ class SimEngine:
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
             resume: list[int] | None = None, background: bool = False) -> None:
-        if len(prompt_ids) + len(resume or []) >= self.model.max_length:
-            raise PromptTooLong(f"the prompt has {len(prompt_ids)} tokens; the context is {self.model.max_length}")
+        check_prompt(prompt_ids, resume or [], self.model.max_length)
         self.waiting.append(SimSequence(request_id, prompt_ids, params, list(resume or [])))
 
     def cancel(self, request_id: str) -> bool:
@@ -121,8 +122,10 @@ class SimEngine:
         for sequence in self.running:
             token = sim_token(len(sequence.prompt_ids) + len(sequence.output_ids))
             sequence.output_ids.append(token)
-            done = len(sequence.output_ids) >= sequence.params.max_tokens
+            reason = length_reason(sequence.params, len(sequence.prompt_ids), len(sequence.output_ids),
+                                   self.model.max_length)
             outputs.append(StepOutput(sequence.request_id, token, len(sequence.output_ids) - 1, VOCAB[token],
-                                      "length" if done else None, len(sequence.prompt_ids)))
-        self.running = [s for s in self.running if len(s.output_ids) < s.params.max_tokens]
+                                      reason, len(sequence.prompt_ids)))
+        ended = {output.request_id for output in outputs if output.finish_reason is not None}
+        self.running = [s for s in self.running if s.request_id not in ended]
         return StepResult("decode", outputs)

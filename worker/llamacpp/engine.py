@@ -6,9 +6,9 @@ sequences still prefilling, up to `chunk` prompt tokens (more while nothing runs
 sequence id in one unified KV cache, so sequences join and leave at any step. A sequence's stream is its prompt
 and every token it has delivered: a migrated request prefills the tokens another worker delivered with its prompt,
 and a sequence put out of a full cache (the youngest) prefills its stream again when it is readmitted. Rows whose
-stream is wholly in the cache are sampled together by the own engine's sampler (worker/own/sampling.py: seeds,
+stream is wholly in the cache are sampled together by the sampler the own engine also uses (worker/sampling.py: seeds,
 penalties over every delivered token, logit_bias, log-probabilities) under their grammars' masks
-(worker/own/grammar.py); tokens become text in worker/output.py, as on every engine."""
+(worker/grammar.py); tokens become text in worker/output.py, as on every engine."""
 
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ import torch
 
 from common.protocol import SamplingParams
 from common.settings import WorkerSettings
-from worker.core import StepKind, StepOutput, StepResult
+from worker.core import StepKind, StepOutput, StepResult, cancel_waiting
 from worker.llamacpp.library import DecodeError, NoRoom, Row
 from worker.llamacpp.model import LlamaCppModel, load
 from worker.output import OutputProcessor, SequenceText
-from worker.own.sampling import Pick, new_generator, sample_texts
+from worker.sampling import Pick, new_generator, sample_texts
 
 log = logging.getLogger("worker")
 
@@ -109,16 +109,13 @@ class LlamaCppEngine:
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
             resume: list[int] | None = None, background: bool = False) -> None:
         resume = list(resume or [])
-        self.output.check(prompt_ids, resume)
-        matcher = self.model.grammars.matcher(params.grammar, resume) if params.grammar else None
-        text = self.output.open(request_id, prompt_ids, params, resume, matcher)
+        text = self.output.open(request_id, prompt_ids, params, resume)
+        text.matcher = self.model.grammars.matcher(params.grammar, resume) if params.grammar else None
         self.waiting.append(_Sequence(text, list(prompt_ids), new_generator(params, torch.device("cpu"))))
 
     def cancel(self, request_id: str) -> bool:
-        for sequence in self.waiting:
-            if sequence.request_id == request_id:
-                self.waiting.remove(sequence)
-                return True
+        if cancel_waiting(self.waiting, request_id):
+            return True
         for sequence in self.running:
             if sequence.request_id == request_id:
                 self._leave(sequence)

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from common.settings import WorkerSettings
+from worker.grammar import Grammars
 from worker.llamacpp.library import Context
-from worker.own.grammar import Grammars
 from worker.prompts import Prompts, end_tokens, gguf_path, source
 
 # KV cells of the context, shared by every sequence: what llama-server's default gives 16 slots of the default model

@@ -1,20 +1,10 @@
-"""KV caches for the engine: rows in one padded tensor with room (any model), or rows side by side without
-padding (the int8 Llama, whose attention reads each row's own keys).
+"""KV caches for the engine: rows in one padded tensor with room (`RoomyLayer`, any model), or rows side by side
+without padding (`RaggedLayer`, worker/weights/ragged.py beside the kernels that attend over it: the int8 Llama,
+whose attention reads each row's own keys, each row with buffers of its own, with room, and its own length).
 
-transformers' `DynamicLayer` concatenates each new token onto its keys and values, which copies the
-whole cache of every layer at every decode step: at 16 rows that is several milliseconds at 100 tokens,
-and it grows with the context until it costs more than the step's arithmetic.
-
-`RoomyLayer`: a layer's keys and values are views into buffers with spare columns, so a step writes one
-column in place; a buffer is replaced by a larger one only every `ROOM` tokens. The engine may still index,
-pad or slice `keys` and `values` (a finished row leaving, newcomers joining): whatever tensor it sets, room
-is read off its strides, and a tensor without room is simply copied into a roomier buffer on the next update.
-Rows of a batch are left-padded to the longest: a 2,000-token newcomer pads every other row to 2,000.
-
-`RaggedLayer` (worker/weights/ragged.py, beside the kernels that attend over it): each row has buffers of its
-own with room, and its own length.
-
-The functions at the end are what the engine does to a cache of either kind.
+transformers' `DynamicLayer` concatenates each new token onto its keys and values, copying the whole cache of
+every layer at every decode step; a layer with room writes one column in place. The functions after the layer
+are what the engine does to a cache of either kind.
 """
 
 from __future__ import annotations
@@ -29,6 +19,16 @@ from worker.weights.ragged import ROOM, RaggedLayer, Rows
 
 
 class RoomyLayer(DynamicLayer):
+    """A layer whose keys and values are views into buffers with spare columns, so a step writes one column in
+    place; a buffer is replaced by a larger one only every `ROOM` tokens. transformers' `DynamicLayer` instead
+    concatenates: at 16 rows that is several milliseconds at 100 tokens, and it grows with the context until it
+    costs more than the step's arithmetic.
+
+    The engine may still index, pad or slice `keys` and `values` (a finished row leaving, newcomers joining):
+    whatever tensor it sets, room is read off its strides, and a tensor without room is simply copied into a
+    roomier buffer on the next update. Rows of a batch are left-padded to the longest: a 2,000-token newcomer
+    pads every other row to 2,000."""
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object,
                **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:

@@ -1,6 +1,6 @@
 """The own engine: iteration-level continuous batching over a causal LM with a prefix cache and chunked
 prefill, in nano-vllm's shape. Each step is schedule (worker/own/planner.py: which prompts prefill, the step's
-kind), run (worker/own/runner.py: the forwards), sample (worker/own/sampling.py, under each grammar's mask) and
+kind), run (worker/own/runner.py: the forwards), sample (worker/sampling.py, under each grammar's mask) and
 emit (worker/output.py: text, stops, finish reasons, as on every engine). docs/engine.md tells the algorithm:
 blocks at fixed boundaries, groups, the ragged cache, and why no batch-mate changes a bit of a completion."""
 
@@ -19,9 +19,9 @@ from worker.own.cache import all_plain, new_cache
 from worker.own.model import LoadedModel
 from worker.own.planner import DEFAULT_CHUNK, Planner, PrefillGroup, Shape
 from worker.own.runner import Runner
-from worker.own.sampling import new_generator, sample_texts
 from worker.own.sequences import RunningBatch, Sequence
 from worker.prefix import HeldPrefixes, PrefixStore, block_digests
+from worker.sampling import new_generator, sample_texts
 from worker.weights.quant import takes_blocks_together, takes_rows_alone
 
 log = logging.getLogger("worker")
@@ -113,10 +113,9 @@ class Engine:
         """Queue a sequence. `resume` holds tokens another worker already delivered: they are
         prefilled with the prompt and generation continues after them."""
         resume = list(resume or [])
-        self.output.check(prompt_ids, resume)
-        matcher = self.loaded.grammars.matcher(params.grammar, resume) if params.grammar else None
-        self.waiting.append(Sequence(self.output.open(request_id, prompt_ids, params, resume, matcher),
-                                     prompt_ids, new_generator(params, self.loaded.device),
+        text = self.output.open(request_id, prompt_ids, params, resume)
+        text.matcher = self.loaded.grammars.matcher(params.grammar, resume) if params.grammar else None
+        self.waiting.append(Sequence(text, prompt_ids, new_generator(params, self.loaded.device),
                                      block_digests(prompt_ids, self.block) if self.store is not None else [],
                                      background))
 

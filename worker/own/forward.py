@@ -2,10 +2,9 @@
 
 A part is one forward's worth of tokens: the running batch's decode step ([rows, 1]) or a block of a prefill
 group ([rows, block]), each over its own cache. Every int8 call takes the rows of all parts side by side, so a
-decode step that carries a prefill block reads each layer's weights once instead of twice, and the block
-costs the running streams much less than a step of its own. The kernels compute rows independently and each
-part attends over its own keys only: each part's logits are those its own forward gives, bit for bit (tested
-against transformers' forward).
+decode step that carries a prefill block reads each layer's weights once instead of twice. The kernels compute
+rows independently and each part attends over its own keys only: each part's logits are those its own forward
+gives, bit for bit (tested against transformers' forward; the costs: docs/engine.md).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from common.settings import WorkerSettings
-from worker.own.grammar import Grammars
+from worker.grammar import Grammars
 from worker.prompts import Prompts, end_tokens, gguf_path, source
 from worker.weights import paths, quant
 

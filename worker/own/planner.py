@@ -8,7 +8,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from common.settings import WorkerSettings
-from worker.core import StepKind
+from worker.core import StepKind, cancel_waiting
 from worker.own.sequences import PrefillGroup, Sequence
 from worker.prefix import PrefixStore
 
@@ -158,10 +158,8 @@ class Planner:
         return max(1, min(most, group.remaining(self.block), fits))
 
     def cancel(self, request_id: str) -> bool:
-        for sequence in self.waiting:
-            if sequence.request_id == request_id:
-                self.waiting.remove(sequence)
-                return True
+        if cancel_waiting(self.waiting, request_id):
+            return True
         for group in self.prefills:
             rows = [i for i, s in enumerate(group.sequences) if s.request_id != request_id]
             if len(rows) < len(group.sequences):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.errors import ErrorCode
-from common.protocol import SamplingParams, TokenLogprob
+from common.protocol import SamplingParams
 from common.settings import WorkerSettings, env_names
 from worker.core import GrammarError, StepKind, StepOutput, StepResult
 from worker.output import OutputProcessor, SequenceText
@@ -34,7 +34,7 @@ from worker.prefix import HeldPrefixes
 from worker.vllm import DELIVERED
 from worker.vllm.model import VllmModel, cpu_environment, hf_directory, load_tokenizer_model
 from worker.vllm.resume import V1, V2, runner_interface
-from worker.vllm.sampling import as_lark, sampling_arguments
+from worker.vllm.sampling import as_lark, ranked, sampling_arguments
 
 log = logging.getLogger("worker")
 
@@ -137,7 +137,7 @@ class VllmEngine:
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
             resume: list[int] | None = None, background: bool = False) -> None:
         resume = list(resume or [])
-        self.output.check(prompt_ids, resume)
+        text = self.output.open(request_id, prompt_ids, params, resume)  # the prompt checked before vLLM sees it
         from vllm import SamplingParams as VllmParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
@@ -154,7 +154,7 @@ class VllmEngine:
             if params.grammar and "grammar" in str(exc).lower():
                 raise GrammarError(str(exc)) from None
             raise
-        sequence = _Sequence(self.output.open(request_id, prompt_ids, params, resume), internal)
+        sequence = _Sequence(text, internal)
         self.sequences[request_id] = sequence
         self.by_internal[internal] = request_id
         self.last_added = internal
@@ -215,8 +215,8 @@ class VllmEngine:
             ended = request_output.finished and position == len(tokens) - 1
             output = self._emit(sequence, token, self._reason(completion.finish_reason) if ended else None, ended)
             if sequence.params.logprobs is not None and completion.logprobs and position < len(completion.logprobs):
-                output.logprob, output.top_logprobs = self._logprobs(token, completion.logprobs[position],
-                                                                     sequence.params.logprobs)
+                output.logprob, output.top_logprobs = self.output.logprobs(
+                    token, ranked(token, completion.logprobs[position], sequence.params.logprobs))
             outputs.append(output)
             if output.finish_reason is not None:
                 break
@@ -256,15 +256,6 @@ class VllmEngine:
         if vllm_reason in ("stop", "length"):
             return vllm_reason
         return "stop" if vllm_reason is not None else None
-
-    def _logprobs(self, token: int, ranked: dict[int, Any], top: int) -> tuple[TokenLogprob, list[TokenLogprob]]:
-        """The chosen token's log-probability and the `top` most likely, in rank order, as the own engine
-        reports them (the model's distribution before penalties, biases and temperature: vLLM's raw_logprobs).
-        vLLM adds the chosen token to its top ones when it is not among them."""
-        decode = self.model.tokenizer.decode
-        best = sorted((rank.rank, t, rank.logprob) for t, rank in ranked.items() if rank.rank is not None)
-        alternatives = [TokenLogprob(decode([t]), float(value)) for order, t, value in best if order <= top]
-        return TokenLogprob(decode([token]), float(ranked[token].logprob)), alternatives[:top]
 
     # -- vLLM internals this engine reaches for (in-process engine core only); each optional
 

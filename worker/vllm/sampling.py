@@ -1,5 +1,5 @@
 """Our sampling settings as vLLM's: its SamplingParams fields for a request (a migrated one's too), its logit
-biases, and the gateway's grammar as the Lark text vLLM takes."""
+biases, and the gateway's grammar as the Lark text vLLM takes; and its log-probabilities as ours."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 
 from common.protocol import BAN_BIAS, SamplingParams
 from worker.core import GrammarError
+from worker.output import Logprobs
 from worker.vllm import DELIVERED
 
 
@@ -73,3 +74,13 @@ def sampling_arguments(params: SamplingParams, resume: Tokens[int], exact_presen
     if resume and (params.grammar or (params.presence_penalty and exact_presence)):
         arguments["extra_args"] = {DELIVERED: list(resume)}
     return arguments
+
+
+def ranked(token: int, logprobs: dict[int, Any], top: int) -> Logprobs:
+    """vLLM's log-probabilities of one position (token id -> its Logprob: rank, logprob) as the output processor
+    takes them: the chosen token's and the `top` most likely, in rank order, as the own engine reports them (the
+    model's distribution before penalties, biases and temperature: vLLM's raw_logprobs). vLLM adds the chosen
+    token to its top ones when it is not among them."""
+    best = sorted((rank.rank, t, rank.logprob) for t, rank in logprobs.items() if rank.rank is not None)
+    kept = [(t, float(value)) for order, t, value in best if order <= top][:top]
+    return Logprobs(float(logprobs[token].logprob), [t for t, _ in kept], [value for _, value in kept])

@@ -1,6 +1,7 @@
 """Grammars enforced token by token (structured outputs and tool calls): one llguidance matcher per
 constrained row, which says before each step which tokens may come next and is told the one chosen.
-Only that row's logits are masked, so constrained and free rows share a batch unchanged."""
+Only that row's logits are masked, so constrained and free rows share a batch unchanged. Shared by the engines
+that sample themselves (the own engine and llama.cpp's); the gateway's check of a grammar is common/grammar.py."""
 
 from __future__ import annotations
 

@@ -11,10 +11,10 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from llmserve.bench.client import Outcome, Sampling, Target, stream
-from llmserve.bench.plot import plot_sweeps
-from llmserve.bench.stats import summarize
-from llmserve.bench.workload import Job, Lengths, arrival_offsets, make_jobs
+from llmserve.loadgen.client import Outcome, Sampling, Target, stream
+from llmserve.loadgen.plot import plot_sweeps
+from llmserve.loadgen.stats import summarize
+from llmserve.loadgen.workload import Job, Lengths, arrival_offsets, make_jobs
 
 
 class Progress:

@@ -1,21 +1,22 @@
 """Next-token choice for a whole batch: presence and frequency penalties, then
 greedy rows by argmax, sampled rows with temperature, top-k and top-p, each row
 drawing from its own seeded generator so that its text does not depend on its
-batch-mates. Rows that ask for them also get log-probabilities."""
+batch-mates. Rows that ask for them also get log-probabilities. Shared by the engines that pick tokens from
+torch logits themselves (the own engine and llama.cpp's)."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from common.protocol import BAN_BIAS, SamplingParams
+from worker.output import Logprobs
 
 if TYPE_CHECKING:
+    from worker.grammar import Grammars
     from worker.output import SequenceText
-    from worker.own.grammar import Grammars
 
 log = logging.getLogger("worker")
 
@@ -25,15 +26,6 @@ MAX_TOP_LOGPROBS = 20
 GREEDY_BELOW = 1e-5
 # A top-p row without top_k looks for its nucleus among this many most likely tokens before it sorts them all.
 NUCLEUS_CANDIDATES = 1024
-
-
-@dataclass
-class Logprobs:
-    """Log-probabilities under the model's own distribution: the chosen token's and the most likely ones'."""
-
-    chosen: float
-    top_ids: list[int]
-    top_values: list[float]
 
 
 def new_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from llmserve.bench.workload import Job
+from llmserve.loadgen.workload import Job
 
 
 @dataclass(frozen=True)

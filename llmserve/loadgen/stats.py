@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import statistics
 
-from llmserve.bench.client import Outcome
+from llmserve.loadgen.client import Outcome
 
 
 def percentile(values: list[float], q: float) -> float:
