@@ -74,9 +74,22 @@ async def create_file(request: Request, file: Annotated[UploadFile, File()],
 
 
 @router.get("/files", summary="This key's files, the newest first")
-async def list_files(request: Request, purpose: str | None = Query(None, max_length=64)) -> dict[str, object]:
-    files = await store_of(request).files(owner_of(request))
-    return {"object": "list", "data": [f.public() for f in files if purpose is None or f.purpose == purpose]}
+async def list_files(request: Request, purpose: str | None = Query(None, max_length=64),
+                     after: str | None = Query(None, max_length=MAX_ID),
+                     limit: int = Query(10000, ge=1, le=10000)) -> dict[str, object]:
+    files = [f for f in await store_of(request).files(owner_of(request)) if purpose is None or f.purpose == purpose]
+    return page_of(files, after, limit)
+
+
+def page_of(records: list[StoredFile] | list[Job], after: str | None, limit: int) -> dict[str, object]:
+    """One page of a list, in OpenAI's cursor shape: the records after the one named `after`, `limit` of them;
+    `has_more` says whether the SDK's iteration asks for the next page."""
+    if after is not None:
+        ids = [record.id for record in records]
+        records = records[ids.index(after) + 1:] if after in ids else []
+    page = records[:limit]
+    return {"object": "list", "data": [record.public() for record in page], "has_more": len(records) > limit,
+            "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None}
 
 
 @router.get("/files/{file_id}", summary="One file's description")
@@ -135,13 +148,7 @@ async def create_batch(body: BatchRequest, request: Request) -> dict[str, object
 @router.get("/batches", summary="This key's batch jobs, the newest first")
 async def list_batches(request: Request, after: str | None = Query(None, max_length=MAX_ID),
                        limit: int = Query(20, ge=1, le=100)) -> dict[str, object]:
-    jobs = await store_of(request).jobs(owner_of(request))
-    if after is not None:
-        ids = [job.id for job in jobs]
-        jobs = jobs[ids.index(after) + 1:] if after in ids else []
-    page = jobs[:limit]
-    return {"object": "list", "data": [job.public() for job in page], "has_more": len(jobs) > limit,
-            "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None}
+    return page_of(await store_of(request).jobs(owner_of(request)), after, limit)
 
 
 @router.get("/batches/{batch_id}", summary="One batch job, with its progress")

@@ -194,6 +194,17 @@ def test_a_refused_file_or_job_says_why(sim: PrivateStack) -> None:
         client.batches.create(input_file_id="file-nope", endpoint="/v1/completions", completion_window="24h")
 
 
+def test_the_sdk_pages_through_a_key_s_files(sim: PrivateStack) -> None:
+    """The SDK's iteration asks for pages while `has_more` says so: every file once (it asked for pages forever
+    when the list said nothing of more)."""
+    beta = keyed(sim, "beta")
+    made = [upload(beta, [line(f"p{i}", f"page {i}")]) for i in range(3)]
+    listed = [f.id for f in beta.files.list(limit=2)]
+    assert set(made) <= set(listed) and len(listed) == len(set(listed))
+    page = beta.files.list(limit=2)
+    assert len(page.data) == 2 and page.has_more
+
+
 def test_a_line_that_fails_goes_to_the_error_file_and_the_rest_run(sim: PrivateStack) -> None:
     client = keyed(sim)
     job = ended(client, run_job(client, [line("good", "x"), line("bad", "y", model="no-such-model")]).id)
