@@ -81,6 +81,13 @@ def sampled(read: Callable[[], int], times: int, every: float = 0.1) -> list[int
     return values
 
 
+def lines_left(stack: PrivateStack) -> float:
+    """llmserve_gateway_batch_lines_left over the stack's gateways."""
+    texts = [httpx.get(f"{url}/metrics", headers=ALPHA, timeout=10).text for url in stack.urls]
+    samples = (line.split() for text in texts for line in text.splitlines())
+    return sum(float(s[1]) for s in samples if s and s[0] == "llmserve_gateway_batch_lines_left")
+
+
 def keyed(stack: PrivateStack, key: str = "alpha", url: str | None = None) -> openai.OpenAI:
     return openai_client(url or stack.url, api_key=key)
 
@@ -222,6 +229,7 @@ def test_the_lane_takes_only_what_interactive_requests_leave(sim: PrivateStack) 
     job = run_job(client, [line(f"l{i}", f"long line {i}", max_tokens=3000) for i in range(40)])
     wait_for(lambda: running(sim) >= 14, 60, "the job to fill its share of the slots")
     assert set(sampled(lambda: running(sim), 10)) == {14}
+    assert lines_left(sim) == 40  # none answered yet: the gateway running the job counts them all
     started = time.monotonic()
     online = client.completions.create(model="sim", prompt="interactive", max_tokens=4)
     assert time.monotonic() - started < 10 and online.usage.completion_tokens == 4
@@ -230,6 +238,7 @@ def test_the_lane_takes_only_what_interactive_requests_leave(sim: PrivateStack) 
     job = ended(client, job.id, timeout=30)
     assert job.status == "cancelled" and job.cancelled_at and job.request_counts.completed == 0
     wait_for(lambda: running(sim) == 0, 30, "the cancelled lines to free their slots")
+    assert lines_left(sim) == 0
     with pytest.raises(openai.ConflictError, match="cancelled"):
         client.batches.cancel(job.id)
 
