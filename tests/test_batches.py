@@ -212,6 +212,45 @@ def test_the_sdk_pages_through_a_key_s_files(sim: PrivateStack) -> None:
     assert len(page.data) == 2 and page.has_more
 
 
+def test_a_retried_upload_or_job_with_its_idempotency_key_makes_only_the_first(sim: PrivateStack) -> None:
+    """Over real HTTP, on each gateway in turn: the same Idempotency-Key with the same body gets the file (its
+    multipart boundary another) and the job the first request made; another body under a used key is a 409 naming
+    the header."""
+    content = jsonl([line("i0", "made once"), line("i1", "made once too")])
+
+    def send_file(url: str, key: str, data: bytes = content) -> httpx.Response:
+        return httpx.post(f"{url}/v1/files", headers={**ALPHA, "Idempotency-Key": key},
+                          files={"file": ("retried.jsonl", data)}, data={"purpose": "batch"}, timeout=30)
+
+    first, again = send_file(sim.urls[0], "upload-1"), send_file(sim.urls[1], "upload-1")
+    assert first.status_code == again.status_code == 200, (first.text, again.text)
+    assert again.json() == first.json()
+    file_id = first.json()["id"]
+    clash = send_file(sim.urls[1], "upload-1", content + b"\n" + jsonl([line("i2", "another body")]))
+    assert clash.status_code == 409
+    assert (clash.json()["error"]["param"], clash.json()["error"]["code"]) == ("Idempotency-Key",
+                                                                               "idempotency_conflict")
+    alpha = keyed(sim)
+    assert [f.id for f in alpha.files.list() if f.filename == "retried.jsonl"] == [file_id]
+
+    def create(url: str, key: str, **extra: object):
+        return keyed(sim, url=url).batches.create(input_file_id=file_id, endpoint="/v1/completions",
+                                                  completion_window="24h", extra_headers={"Idempotency-Key": key},
+                                                  **extra)  # type: ignore[arg-type]
+
+    made, retried = create(sim.urls[0], "job-1"), create(sim.urls[1], "job-1")
+    assert retried.id == made.id and retried.input_file_id == file_id
+    with pytest.raises(openai.ConflictError) as conflict:
+        create(sim.urls[0], "job-1", metadata={"run": "another"})
+    assert conflict.value.response.json()["error"]["param"] == "Idempotency-Key"
+    with pytest.raises(openai.ConflictError):
+        create(sim.urls[1], "upload-1")  # a key used on another route
+    assert [b.id for b in alpha.batches.list(limit=100) if b.input_file_id == file_id] == [made.id]
+    job = ended(alpha, made.id)
+    assert job.status == "completed" and (job.request_counts.total, job.request_counts.completed) == (2, 2)
+    assert create(sim.urls[1], "job-2").id != made.id  # a new key is a new job
+
+
 def test_a_line_that_fails_goes_to_the_error_file_and_the_rest_run(sim: PrivateStack) -> None:
     client = keyed(sim)
     job = ended(client, run_job(client, [line("good", "x"), line("bad", "y", model="no-such-model")]).id)
