@@ -712,7 +712,10 @@ RENDERERS: dict[str, tuple[str, Callable[[dict], tuple[str, Table]]]] = {
     "sentinel_writes": ("one client appending through a `SENTINEL FAILOVER`: the writes it was told succeeded and "
                         "then lost, by how the Redis group runs (bench/sentinel_writes.py)", sentinel_writes),
     "batch_lane": ("a batch job in the background lane beside interactive streams, on one worker of the default "
-                   "model (bench/batch_lane.py)", batch_lane),
+                   "model (bench/batch_lane.py). The time the job is allowed is what the slots the interactive "
+                   "streams leave free take to run its lines: lines / (slots - interactive streams) x tokens a line "
+                   "x the step time, the step time being the interactive streams' time per token (p50) while the "
+                   "job runs; the target is a job time of at most 1.2x that", batch_lane),
     "drain_hf": ("SIGTERM to a worker: handing off against finishing in place", drain),
     "drain_sim": ("the same on `ENGINE=sim`", drain),
     "resume_sim": ("resuming after a dropped connection or a killed gateway, `ENGINE=sim`", resume),
