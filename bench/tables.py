@@ -483,7 +483,8 @@ def request_controls(d: dict) -> tuple[str, Table]:
                       f"{t['let_through_after']}"])
     worst = max(t["error_share_of_minute"] for t, _, _ in quotas)
     head = (f"idempotent retries: {i['requests_admitted']} of {i['clients']} run; priority 0 TTFT "
-            f"{ratio(p['ratio_0_over_10'])} of priority 10's; Retry-After at most {worst:.1%} of a minute off")
+            f"{ratio(p['ratio_0_over_10'])} of priority 10's; Retry-After of {len(quotas)} requests- and "
+            f"tokens-per-minute refusals at most {worst:.1%} of a minute off")
     return head, table
 
 
