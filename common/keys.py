@@ -45,7 +45,7 @@ class Keys:
         return self._shared(f"tokens:{second}")
 
     def idempotency(self, tenant: str, key_digest: str) -> str:
-        """An Idempotency-Key's claim: the request it names, per API key (gateway/idempotency.py)."""
+        """An Idempotency-Key's claim: the request, batch job or file it names, per API key (gateway/idempotency.py)."""
         return f"{self.ns}:idempotency:{{{tenant}:{key_digest}}}"
 
     def heartbeat(self, worker_id: str) -> str:

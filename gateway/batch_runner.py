@@ -81,7 +81,12 @@ class BatchRunner:
         log.info("batch job taken", extra={"batch_id": batch_id, "holder": self.holder})
         task = asyncio.create_task(JobRun(self, batch_id).run())
         self.runs[batch_id] = task
-        task.add_done_callback(lambda _: self.runs.pop(batch_id, None))
+        metrics.BATCH_JOBS.set(len(self.runs))
+        task.add_done_callback(lambda _: self._ran(batch_id))
+
+    def _ran(self, batch_id: str) -> None:
+        self.runs.pop(batch_id, None)
+        metrics.BATCH_JOBS.set(len(self.runs))
 
     def request_of(self, owner: str, url: str) -> Request:
         """A line runs through the route's own checks as a request of the key that made the job."""
@@ -99,6 +104,7 @@ class JobRun:
         self.tasks: list[asyncio.Task[None]] = []
         self.ending: str | None = None  # "cancelled" or "expired", once decided
         self.lost = False
+        self.left = 0  # its lines not yet answered, counted in BATCH_LINES_LEFT while this run holds the job
         # One line starts at a time (stamped, followed, admitted), so the scheduler reads and starts them in the
         # file's order: lines admitted side by side could reach it in any order and start out of it.
         self.starting = asyncio.Lock()
@@ -113,6 +119,8 @@ class JobRun:
             log.exception("batch job run failed", extra={"batch_id": self.batch_id})
             await self._stop_lines()
         finally:
+            metrics.BATCH_LINES_LEFT.dec(self.left)  # the job ended, or is left to another gateway
+            self.left = 0
             if not self.lost:
                 with contextlib.suppress(*REDIS_ERRORS, OSError):
                     await self.store.release(self.batch_id, self.runner.holder)
@@ -132,6 +140,8 @@ class JobRun:
             answers, in_flight = await self.store.answered_lines(job.id), await self.store.in_flight(job.id)
             todo = deque(sorted((line for line in lines if line.number not in answers),
                                 key=lambda line: line.number not in in_flight))  # the running first: leases lapse
+            self.left = len(todo)
+            metrics.BATCH_LINES_LEFT.inc(self.left)
             # BATCH_IN_FLIGHT lanes, each taking the next line as its last one ends.
             lanes = min(self.bus.settings.batch_in_flight, len(todo))
             self.tasks = [asyncio.create_task(self._lane(job, todo, in_flight)) for _ in range(lanes)]
@@ -215,6 +225,9 @@ class JobRun:
     async def _record(self, job: Job, line: Line, answer: Answer) -> None:
         await self.store.record(job.id, line.number, *answer)
         metrics.BATCH_LINES.labels("completed" if answer[1] else "failed").inc()
+        if self.left:
+            self.left -= 1
+            metrics.BATCH_LINES_LEFT.dec()
 
     async def _submit(self, job: Job, line: Line) -> tuple[str | None, Outcome]:
         """Run the line anew: its request_id, and how it went. While the queue is full, wait for room."""

@@ -124,7 +124,7 @@ class BatchStore:
 
     async def add_file(self, owner: str, filename: str, purpose: str, data: bytes, file_id: str = "",
                        ttl: int = 0) -> StoredFile:
-        stored = StoredFile(file_id or f"file-{uuid.uuid4().hex}", owner, filename, purpose, len(data),
+        stored = StoredFile(file_id or self.new_file_id(), owner, filename, purpose, len(data),
                             int(time.time()))
         key = self.keys.file(stored.id)
         pipe = self.redis.pipeline(transaction=False)
@@ -165,10 +165,18 @@ class BatchStore:
 
     # Jobs.
 
+    @staticmethod
+    def new_file_id() -> str:
+        return f"file-{uuid.uuid4().hex}"
+
+    @staticmethod
+    def new_batch_id() -> str:
+        return f"batch_{uuid.uuid4().hex}"
+
     async def add_job(self, owner: str, endpoint: str, input_file_id: str, window: str, window_s: int, total: int,
-                      metadata: dict[str, str] | None) -> Job:
+                      metadata: dict[str, str] | None, batch_id: str = "") -> Job:
         now = int(time.time())
-        job = Job(f"batch_{uuid.uuid4().hex}", owner, endpoint, input_file_id, window, "validating", now,
+        job = Job(batch_id or self.new_batch_id(), owner, endpoint, input_file_id, window, "validating", now,
                   now + window_s, total, metadata=metadata)
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(self.keys.job(job.id), mapping={

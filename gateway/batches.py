@@ -1,11 +1,14 @@
 """OpenAI's Files and Batch APIs: `/v1/files` holds a batch's input (JSONL of /v1/chat/completions or
 /v1/completions requests, each line checked as its route checks a body) and its output and error files;
 `/v1/batches` starts, lists, reads and cancels jobs, which the gateways run (gateway/batch_runner.py). Every file
-and job belongs to the API key that made it: for another key it does not exist (404)."""
+and job belongs to the API key that made it: for another key it does not exist (404). POST /v1/files and POST
+/v1/batches take an `Idempotency-Key` (gateway/idempotency.py): a retry with the same key and body gets the file or
+job the first request made, not a second one."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from typing import Annotated, Literal, TypeVar
 
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
@@ -13,6 +16,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.errors import ErrorCode
+from gateway import idempotency
 from gateway.batch_lines import ENDPOINTS, read_lines, window_seconds
 from gateway.batch_runner import BatchRunner
 from gateway.batch_store import BatchStore, Job, StoredFile
@@ -68,15 +72,41 @@ async def create_file(request: Request, file: Annotated[UploadFile, File()],
         raise ApiError.of(ErrorCode.REQUEST_TOO_LARGE, f"the file is {len(data)} bytes; at most {limit} "
                           "(BATCH_FILE_BYTES)", "file")
     await asyncio.to_thread(read_lines, data)  # a large file takes seconds: the other streams go on meanwhile
-    stored = await store_of(request).add_file(owner_of(request), (file.filename or "input.jsonl")[:256], purpose,
-                                              data)
+    store, owner, filename = store_of(request), owner_of(request), (file.filename or "input.jsonl")[:256]
+    # The parts, not the raw body: a retried multipart upload has another boundary.
+    digest = hashlib.sha256(b"\0".join([request.url.path.encode(), purpose.encode(), filename.encode(),
+                                        hashlib.sha256(data).digest()])).hexdigest()
+    file_id = store.new_file_id()
+    claimed, earlier = await idempotency.made_or_claim(request, file_id, lambda held: store.file(held, owner),
+                                                       digest)
+    if earlier is not None:
+        return earlier.public()
+    try:
+        stored = await store.add_file(owner, filename, purpose, data, file_id=file_id)
+    except BaseException:
+        if claimed is not None:
+            await idempotency.release(request, claimed)
+        raise
     return stored.public()
 
 
 @router.get("/files", summary="This key's files, the newest first")
-async def list_files(request: Request, purpose: str | None = Query(None, max_length=64)) -> dict[str, object]:
-    files = await store_of(request).files(owner_of(request))
-    return {"object": "list", "data": [f.public() for f in files if purpose is None or f.purpose == purpose]}
+async def list_files(request: Request, purpose: str | None = Query(None, max_length=64),
+                     after: str | None = Query(None, max_length=MAX_ID),
+                     limit: int = Query(10000, ge=1, le=10000)) -> dict[str, object]:
+    files = [f for f in await store_of(request).files(owner_of(request)) if purpose is None or f.purpose == purpose]
+    return page_of(files, after, limit)
+
+
+def page_of(records: list[StoredFile] | list[Job], after: str | None, limit: int) -> dict[str, object]:
+    """One page of a list, in OpenAI's cursor shape: the records after the one named `after`, `limit` of them;
+    `has_more` says whether the SDK's iteration asks for the next page."""
+    if after is not None:
+        ids = [record.id for record in records]
+        records = records[ids.index(after) + 1:] if after in ids else []
+    page = records[:limit]
+    return {"object": "list", "data": [record.public() for record in page], "has_more": len(records) > limit,
+            "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None}
 
 
 @router.get("/files/{file_id}", summary="One file's description")
@@ -125,23 +155,28 @@ async def create_batch(body: BatchRequest, request: Request) -> dict[str, object
     if stored.purpose != "batch":
         raise ApiError.of(ErrorCode.INVALID_VALUE, f"file '{stored.id}' has purpose '{stored.purpose}', not 'batch'",
                           "input_file_id")
-    data = await store_of(request).file_data(stored.id) or b""
+    store, owner = store_of(request), owner_of(request)
+    data = await store.file_data(stored.id) or b""
     lines = await asyncio.to_thread(read_lines, data, body.endpoint)
-    job = await store_of(request).add_job(owner_of(request), body.endpoint, stored.id, body.completion_window,
-                                          window, len(lines), body.metadata)
+    # Claimed once the job is known good, so that it is made right after: a retry waits for it a moment at most.
+    batch_id = store.new_batch_id()
+    claimed, earlier = await idempotency.made_or_claim(request, batch_id, lambda held: store.job(held, owner))
+    if earlier is not None:
+        return earlier.public()
+    try:
+        job = await store.add_job(owner, body.endpoint, stored.id, body.completion_window, window, len(lines),
+                                  body.metadata, batch_id)
+    except BaseException:
+        if claimed is not None:
+            await idempotency.release(request, claimed)
+        raise
     return job.public()
 
 
 @router.get("/batches", summary="This key's batch jobs, the newest first")
 async def list_batches(request: Request, after: str | None = Query(None, max_length=MAX_ID),
                        limit: int = Query(20, ge=1, le=100)) -> dict[str, object]:
-    jobs = await store_of(request).jobs(owner_of(request))
-    if after is not None:
-        ids = [job.id for job in jobs]
-        jobs = jobs[ids.index(after) + 1:] if after in ids else []
-    page = jobs[:limit]
-    return {"object": "list", "data": [job.public() for job in page], "has_more": len(jobs) > limit,
-            "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None}
+    return page_of(await store_of(request).jobs(owner_of(request)), after, limit)
 
 
 @router.get("/batches/{batch_id}", summary="One batch job, with its progress")

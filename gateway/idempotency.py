@@ -1,15 +1,17 @@
-"""Retries that do not run twice: `Idempotency-Key` on the generation routes. The first request with a key keeps its
-request_id under the key (per API key, with a digest of its route and body) for RESUME_TTL; a retry with the same
-key and body follows the first request's stream from its start, on any gateway (the resume machinery), or gets the
-same whole answer. The same key with another body is a 409 naming the header. A first request that fails before it
-runs, or was cancelled (its client left and nobody retried within RESUME_GRACE), leaves the key to the next try."""
+"""Retries that do not run twice: `Idempotency-Key` on the generation routes, on POST /v1/batches and POST /v1/files.
+The first request with a key keeps what it makes (its request_id, batch id or file id) under the key (per API key,
+with a digest of its route and body) for RESUME_TTL; a retry with the same key and body follows the first request's
+stream from its start, on any gateway (the resume machinery), or gets the same whole answer, job or file. The same
+key with another body is a 409 naming the header. A first request that fails before it runs, or was cancelled (its
+client left and nobody retried within RESUME_GRACE), leaves the key to the next try."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from fastapi import Request
 
@@ -22,9 +24,11 @@ from gateway.submits import bus_of, tenant_of
 
 HEADER = "Idempotency-Key"
 MAX_KEY = 255
-# How long a retry waits for the first request's stream to be admitted (it is, right after its claim).
+# How long a retry waits for the first request's stream to be admitted, or its job or file stored (they are, right
+# after its claim).
 WAIT_FOR_FIRST_S = 5.0
 POLL_S = 0.05
+T = TypeVar("T")
 
 
 @dataclass
@@ -33,6 +37,14 @@ class Claim:
 
     key: str
     value: str
+
+
+@dataclass
+class Held:
+    """The key names what an earlier request with the same body made (`ident`), under `held`."""
+
+    ident: str
+    held: Claim
 
 
 @dataclass
@@ -71,13 +83,28 @@ async def attach_or_claim(request: Request, submits: list[Submit]) -> tuple[Clai
 async def claim(request: Request, submits: list[Submit]) -> Claim | Retry | None:
     """Claim the request's Idempotency-Key for `submits`, or find the request that has it. None: no key, or streams
     are not kept (RESUME_TTL=0), so nothing could be replayed: the request runs as any other."""
+    for _ in range(2):  # a first request whose gateway died before admitting it leaves the key to a second try
+        outcome = await hold(request, submits[0].request_id)
+        if not isinstance(outcome, Held):
+            return outcome
+        meta = await _first(bus_of(request).ledger.stream_meta, outcome.ident)
+        if meta is not None:
+            return Retry(meta, outcome.held)
+        await release(request, outcome.held)  # its gateway died before admitting it: nothing to follow
+    raise ApiError.of(ErrorCode.IDEMPOTENCY_CONFLICT, f"the request with this {HEADER} is still starting; retry "
+                      "later", HEADER)
+
+
+async def hold(request: Request, ident: str, digest: str | None = None) -> Claim | Held | None:
+    """Keep `ident` under the request's Idempotency-Key, or find what the key already names for the same body
+    (`digest`, by default one of the route and the raw body). None: no key, or RESUME_TTL=0 (nothing kept)."""
     key = requested_key(request)
     bus = bus_of(request)
     if key is None or not bus.settings.resumable():
         return None
-    body = hashlib.sha256(request.url.path.encode() + b"\0" + await request.body()).hexdigest()
+    body = digest or hashlib.sha256(request.url.path.encode() + b"\0" + await request.body()).hexdigest()
     redis_key = bus.keys.idempotency(tenant_of(request) or "", hashlib.sha256(key.encode()).hexdigest())
-    value = f"{body} {submits[0].request_id}"
+    value = f"{body} {ident}"
     ttl_ms = int(bus.settings.resume_ttl * 1000)
     for _ in range(2):  # a claim released between our SET and GET is taken on the second try
         if await bus.redis.set(redis_key, value, nx=True, px=ttl_ms):
@@ -90,11 +117,25 @@ async def claim(request: Request, submits: list[Submit]) -> Claim | Retry | None
         if held_body != body:
             raise ApiError.of(ErrorCode.IDEMPOTENCY_CONFLICT, f"the {HEADER} was used with another body (or route) "
                               "within RESUME_TTL; use a new key for a new request", HEADER)
-        meta = await _first_stream(request, head)
-        if meta is not None:
-            return Retry(meta, Claim(redis_key, held))
-        await release(request, Claim(redis_key, held))  # its gateway died before admitting it: nothing to follow
+        return Held(head, Claim(redis_key, held))
     raise ApiError.of(ErrorCode.IDEMPOTENCY_CONFLICT, f"the request with this {HEADER} is still starting; retry "
+                      "later", HEADER)
+
+
+async def made_or_claim(request: Request, ident: str, find: Callable[[str], Awaitable[T | None]],
+                        digest: str | None = None) -> tuple[Claim | None, T | None]:
+    """For a route that makes a stored thing (a batch job, a file): (claim, None): this request is the first with
+    its key, and makes it under `ident` (`release` the claim if it cannot); (None, made): a retry, what the first
+    made (`find` reads it by its id); (None, None): no key, nothing kept."""
+    for _ in range(2):  # a first request that died before it made anything leaves the key to a second try
+        outcome = await hold(request, ident, digest)
+        if not isinstance(outcome, Held):
+            return outcome, None
+        made = await _first(find, outcome.ident)
+        if made is not None:
+            return None, made
+        await release(request, outcome.held)
+    raise ApiError.of(ErrorCode.IDEMPOTENCY_CONFLICT, f"the request with this {HEADER} is still being made; retry "
                       "later", HEADER)
 
 
@@ -109,14 +150,14 @@ async def started(request: Request, claimed: Claim | None, starting: Awaitable[R
         raise
 
 
-async def _first_stream(request: Request, head: str) -> StreamMeta | None:
-    """The first request's stream once it is admitted; None where it never was (its gateway died first)."""
-    bus = bus_of(request)
+async def _first(find: Callable[[str], Awaitable[T | None]], ident: str) -> T | None:
+    """What the first request made (its stream admitted, its job or file stored) once it is there; None where it
+    never was within WAIT_FOR_FIRST_S (its gateway died first, or it failed and is giving the key back)."""
     deadline = asyncio.get_running_loop().time() + WAIT_FOR_FIRST_S
     while True:
-        meta = await bus.ledger.stream_meta(head)
-        if meta is not None or asyncio.get_running_loop().time() > deadline:
-            return meta
+        made = await find(ident)
+        if made is not None or asyncio.get_running_loop().time() > deadline:
+            return made
         await asyncio.sleep(POLL_S)
 
 

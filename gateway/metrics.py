@@ -74,6 +74,15 @@ QUOTA_REFUSED = Counter("llmserve_gateway_quota_refused_total",
 BATCH_LINES = Counter("llmserve_gateway_batch_lines_total",
                       "Lines of batch jobs answered by this gateway, by file: completed (output) or failed (errors)",
                       ["outcome"])
+BATCH_LINES_LEFT = Gauge("llmserve_gateway_batch_lines_left",
+                         "Lines not yet answered of the batch jobs this gateway runs (each job runs on one gateway: "
+                         "the sum over gateways is every running job's)")
+BATCH_JOBS = Gauge("llmserve_gateway_batch_jobs_running", "Batch jobs this gateway runs (holds the lease of)")
+# Every label value exists from the start, at 0, so that a dashboard's rate() reads 0, not "no data".
+for _kind in ("rpm", "tpm"):
+    QUOTA_REFUSED.labels(_kind)
+for _outcome in ("completed", "failed"):
+    BATCH_LINES.labels(_outcome)
 RESUMED = Counter("llmserve_gateway_resumed_streams_total", "Streams resumed here (GET /v1/requests/{id}/stream)")
 ABANDONED = Counter("llmserve_gateway_abandoned_streams_total",
                     "Streams cancelled here because nobody resumed them within RESUME_GRACE (or their gateway died)")

@@ -291,6 +291,50 @@ def plan(queue: WaitingQueue, workers: list[WorkerState], limit: int,
     return [(worker_id, chunk) for worker_id, chunks in batches.items() for chunk in chunks]
 
 
+def lines_to_yield(queue: WaitingQueue, workers: list[WorkerState],
+                   yielding: frozenset[str] | set[str] = frozenset()) -> dict[str, list[str]]:
+    """Which running batch lines to hand back so that the interactive requests waiting now start at once: worker_id
+    -> request_ids. The policy half of preempting the lane (not called yet: a worker cannot yet hand back one row,
+    see the README's Batch jobs section); the lines would go back to the background lane with their delivered
+    tokens, as a draining worker's requests do.
+
+    Per model, the interactive requests waiting that could run now (their tenant under its cap, at most the cap's
+    room) beyond the free slots of the workers serving it, less the lines already asked to yield there
+    (`yielding`), are taken from those workers' lines, the latest dispatched first (the least work to redo, since
+    their cache is computed again), from the worker with the most lines left first. A draining worker's lines are
+    left to its hand-off; a free slot counts once, for the first model that needs it."""
+    live = [w for w in workers if not w.draining]
+    total = sum(w.slots for w in live)
+    assigned = Counter(tenant for w in workers for tenant in w.assigned.values())
+    cap = tenant_cap(total) if queue.fair else total
+    room = {tenant: max(0, cap - assigned[tenant]) for tenant in assigned}
+    demand: Counter[str] = Counter(item.model for item in queue.migrated if not item.submit.background)
+    for (model, tenant), waiting in sorted(queue.tenants.items(), key=lambda kv: kv[1][0][:2]):
+        runnable = len(waiting) if not queue.fair else min(len(waiting), room.setdefault(tenant, cap))
+        demand[model] += runnable
+        if queue.fair:
+            room[tenant] -= runnable
+    free = {w.worker_id: w.free for w in live}
+    lines = {w.worker_id: [rid for rid, tenant in reversed(w.assigned.items())
+                           if tenant == BACKGROUND and rid not in yielding] for w in live}
+    coming = {w.worker_id: sum(rid in yielding for rid in w.assigned) for w in live}
+    chosen: dict[str, list[str]] = {}
+    for model, need in sorted(demand.items()):
+        serving = [w.worker_id for w in live if w.serves(model)]
+        for worker_id in serving:  # free slots first, then the slots already coming free
+            for pool in (free, coming):
+                taken = min(need, pool[worker_id])
+                pool[worker_id] -= taken
+                need -= taken
+        while need > 0:
+            worker_id = max(serving, key=lambda w: len(lines[w]), default=None)
+            if worker_id is None or not lines[worker_id]:
+                break
+            chosen.setdefault(worker_id, []).append(lines[worker_id].pop(0))
+            need -= 1
+    return chosen
+
+
 def choose(keys: Sequence[int], free: dict[str, int], states: dict[str, WorkerState], clock: float) -> str:
     """The worker (among those with `free` slots) for a request with these prefix keys: the one caching the
     deepest of them if it has at least half the free slots of the emptiest worker, else the emptiest."""

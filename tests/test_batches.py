@@ -81,6 +81,13 @@ def sampled(read: Callable[[], int], times: int, every: float = 0.1) -> list[int
     return values
 
 
+def lines_left(stack: PrivateStack) -> float:
+    """llmserve_gateway_batch_lines_left over the stack's gateways."""
+    texts = [httpx.get(f"{url}/metrics", headers=ALPHA, timeout=10).text for url in stack.urls]
+    samples = (line.split() for text in texts for line in text.splitlines())
+    return sum(float(s[1]) for s in samples if s and s[0] == "llmserve_gateway_batch_lines_left")
+
+
 def keyed(stack: PrivateStack, key: str = "alpha", url: str | None = None) -> openai.OpenAI:
     return openai_client(url or stack.url, api_key=key)
 
@@ -194,6 +201,56 @@ def test_a_refused_file_or_job_says_why(sim: PrivateStack) -> None:
         client.batches.create(input_file_id="file-nope", endpoint="/v1/completions", completion_window="24h")
 
 
+def test_the_sdk_pages_through_a_key_s_files(sim: PrivateStack) -> None:
+    """The SDK's iteration asks for pages while `has_more` says so: every file once (it asked for pages forever
+    when the list said nothing of more)."""
+    beta = keyed(sim, "beta")
+    made = [upload(beta, [line(f"p{i}", f"page {i}")]) for i in range(3)]
+    listed = [f.id for f in beta.files.list(limit=2)]
+    assert set(made) <= set(listed) and len(listed) == len(set(listed))
+    page = beta.files.list(limit=2)
+    assert len(page.data) == 2 and page.has_more
+
+
+def test_a_retried_upload_or_job_with_its_idempotency_key_makes_only_the_first(sim: PrivateStack) -> None:
+    """Over real HTTP, on each gateway in turn: the same Idempotency-Key with the same body gets the file (its
+    multipart boundary another) and the job the first request made; another body under a used key is a 409 naming
+    the header."""
+    content = jsonl([line("i0", "made once"), line("i1", "made once too")])
+
+    def send_file(url: str, key: str, data: bytes = content) -> httpx.Response:
+        return httpx.post(f"{url}/v1/files", headers={**ALPHA, "Idempotency-Key": key},
+                          files={"file": ("retried.jsonl", data)}, data={"purpose": "batch"}, timeout=30)
+
+    first, again = send_file(sim.urls[0], "upload-1"), send_file(sim.urls[1], "upload-1")
+    assert first.status_code == again.status_code == 200, (first.text, again.text)
+    assert again.json() == first.json()
+    file_id = first.json()["id"]
+    clash = send_file(sim.urls[1], "upload-1", content + b"\n" + jsonl([line("i2", "another body")]))
+    assert clash.status_code == 409
+    assert (clash.json()["error"]["param"], clash.json()["error"]["code"]) == ("Idempotency-Key",
+                                                                               "idempotency_conflict")
+    alpha = keyed(sim)
+    assert [f.id for f in alpha.files.list() if f.filename == "retried.jsonl"] == [file_id]
+
+    def create(url: str, key: str, **extra: object):
+        return keyed(sim, url=url).batches.create(input_file_id=file_id, endpoint="/v1/completions",
+                                                  completion_window="24h", extra_headers={"Idempotency-Key": key},
+                                                  **extra)  # type: ignore[arg-type]
+
+    made, retried = create(sim.urls[0], "job-1"), create(sim.urls[1], "job-1")
+    assert retried.id == made.id and retried.input_file_id == file_id
+    with pytest.raises(openai.ConflictError) as conflict:
+        create(sim.urls[0], "job-1", metadata={"run": "another"})
+    assert conflict.value.response.json()["error"]["param"] == "Idempotency-Key"
+    with pytest.raises(openai.ConflictError):
+        create(sim.urls[1], "upload-1")  # a key used on another route
+    assert [b.id for b in alpha.batches.list(limit=100) if b.input_file_id == file_id] == [made.id]
+    job = ended(alpha, made.id)
+    assert job.status == "completed" and (job.request_counts.total, job.request_counts.completed) == (2, 2)
+    assert create(sim.urls[1], "job-2").id != made.id  # a new key is a new job
+
+
 def test_a_line_that_fails_goes_to_the_error_file_and_the_rest_run(sim: PrivateStack) -> None:
     client = keyed(sim)
     job = ended(client, run_job(client, [line("good", "x"), line("bad", "y", model="no-such-model")]).id)
@@ -211,6 +268,7 @@ def test_the_lane_takes_only_what_interactive_requests_leave(sim: PrivateStack) 
     job = run_job(client, [line(f"l{i}", f"long line {i}", max_tokens=3000) for i in range(40)])
     wait_for(lambda: running(sim) >= 14, 60, "the job to fill its share of the slots")
     assert set(sampled(lambda: running(sim), 10)) == {14}
+    assert lines_left(sim) == 40  # none answered yet: the gateway running the job counts them all
     started = time.monotonic()
     online = client.completions.create(model="sim", prompt="interactive", max_tokens=4)
     assert time.monotonic() - started < 10 and online.usage.completion_tokens == 4
@@ -219,6 +277,7 @@ def test_the_lane_takes_only_what_interactive_requests_leave(sim: PrivateStack) 
     job = ended(client, job.id, timeout=30)
     assert job.status == "cancelled" and job.cancelled_at and job.request_counts.completed == 0
     wait_for(lambda: running(sim) == 0, 30, "the cancelled lines to free their slots")
+    assert lines_left(sim) == 0
     with pytest.raises(openai.ConflictError, match="cancelled"):
         client.batches.cancel(job.id)
 

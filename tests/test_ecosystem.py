@@ -181,6 +181,18 @@ def test_every_metric_of_the_dashboard_is_exported_with_its_model(client: openai
     samples = _stack_samples(stack)
     exported = {name for name, labels, _ in samples if labels.get("model_name") == MODEL}
     assert queried <= exported, queried - exported
+    # The stack's own: batch jobs, waiting by priority, quota refusals (every label value exported from the start).
+    ours = {name for panel in dashboard["panels"] for target in panel["targets"]
+            for name in re.findall(r"llmserve_[a-z0-9_]+", target["expr"])}
+    assert {"llmserve_gateway_batch_lines_total", "llmserve_gateway_batch_lines_left",
+            "llmserve_scheduler_waiting_by_priority", "llmserve_gateway_quota_refused_total"} <= ours
+    assert ours <= {name for name, _, _ in samples}, ours - {name for name, _, _ in samples}
+    labelled = {(name, tuple(sorted(labels.items()))) for name, labels, _ in samples}
+    for name, label, values in (("llmserve_gateway_quota_refused_total", "kind", ("rpm", "tpm")),
+                                ("llmserve_gateway_batch_lines_total", "outcome", ("completed", "failed")),
+                                ("llmserve_scheduler_waiting_by_priority", "priority",
+                                 ("urgent", "default", "low", "background"))):
+        assert {(name, ((label, value),)) for value in values} <= labelled, name
     finished = {labels["finished_reason"] for name, labels, _ in samples if name == "vllm:request_success_total"}
     assert "length" in finished
     waiting = [labels for name, labels, _ in samples if name == "vllm:num_requests_waiting"]

@@ -13,6 +13,7 @@ from scheduler.policy import (
     WorkerState,
     fits_a_batch,
     interactive_demand,
+    lines_to_yield,
     plan,
     priority_class,
     tenant_cap,
@@ -259,3 +260,55 @@ def test_the_metrics_label_a_request_by_its_class_of_urgency() -> None:
     assert classes == ["urgent", "default", "low"]
     assert priority_class(item("line", priority=-3, background=True).submit) == "background"
     assert set(PRIORITY_CLASSES) == {*classes, "background"}
+
+
+def lane(worker_id: str, slots: int, lines: int, interactive: int = 0, models: frozenset[str] = frozenset(),
+         draining: bool = False) -> WorkerState:
+    """A worker running `interactive` requests of tenant "i", then `lines` batch lines l0.. (dispatched in order)."""
+    assigned = {**{f"{worker_id}-i{n}": "i" for n in range(interactive)},
+                **{f"{worker_id}-l{n}": BACKGROUND for n in range(lines)}}
+    return WorkerState(worker_id, slots, assigned, draining=draining, models=models)
+
+
+def test_no_line_yields_while_free_slots_take_the_interactive_requests_waiting() -> None:
+    queue = queue_of(item("r0", tenant="a"), item("r1", tenant="b"), item("bg", background=True))
+    assert lines_to_yield(queue, [lane("w", 8, lines=6)]) == {}
+    assert lines_to_yield(queue_of(item("bg", background=True)), [lane("w", 8, lines=8)]) == {}
+
+
+def test_a_surge_past_the_free_slots_takes_the_latest_lines_from_the_busiest_lanes() -> None:
+    queue = queue_of(*(item(f"r{n}", tenant=f"t{n}", at=n) for n in range(5)))
+    got = lines_to_yield(queue, [lane("a", 8, lines=5, interactive=2), lane("b", 8, lines=3, interactive=5)])
+    # One slot free (a's), so 4 lines: from a while it has more lines left than b (5, then 4, then even at 3: the
+    # first listed), then from b.
+    assert got == {"a": ["a-l4", "a-l3", "a-l2"], "b": ["b-l2"]}
+
+
+def test_lines_already_yielding_count_as_slots_coming_free_and_are_not_asked_again() -> None:
+    queue = queue_of(*(item(f"r{n}", tenant=f"t{n}", at=n) for n in range(3)))
+    workers = [lane("a", 4, lines=4)]
+    assert lines_to_yield(queue, workers) == {"a": ["a-l3", "a-l2", "a-l1"]}
+    assert lines_to_yield(queue, workers, {"a-l3", "a-l2"}) == {"a": ["a-l1"]}
+    assert lines_to_yield(queue, workers, {"a-l3", "a-l2", "a-l1"}) == {}
+
+
+def test_a_tenant_at_its_cap_makes_no_line_yield() -> None:
+    """16 slots: a tenant holds at most 14; one holding 13 may start one more, whatever it has waiting."""
+    queue = queue_of(*(item(f"r{n}", tenant="i", at=n) for n in range(5)))
+    assert lines_to_yield(queue, [lane("a", 16, lines=3, interactive=13)]) == {"a": ["a-l2"]}
+    assert lines_to_yield(queue, [lane("a", 16, lines=2, interactive=14)]) == {}
+
+
+def test_only_the_lines_of_workers_serving_the_waiting_model_yield_and_not_while_draining() -> None:
+    queue = queue_of(item("r0", tenant="x", model="m1"), item("r1", tenant="y", model="m1"))
+    m1, m2 = frozenset({"m1"}), frozenset({"m2"})
+    workers = [lane("one", 2, lines=2, models=m1), lane("two", 2, lines=2, models=m2)]
+    assert lines_to_yield(queue, workers) == {"one": ["one-l1", "one-l0"]}
+    workers[0].draining = True  # its lines go with its hand-off; its slots are no help
+    assert lines_to_yield(queue, workers) == {}
+
+
+def test_migrated_interactive_requests_count_and_a_free_slot_counts_once() -> None:
+    queue = queue_of(item("moved", tenant="x", migrations=1, model="m"), item("r0", tenant="y", model="n"))
+    both = frozenset({"m", "n"})
+    assert lines_to_yield(queue, [lane("w", 4, lines=3, models=both)]) == {"w": ["w-l2"]}
