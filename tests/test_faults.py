@@ -54,11 +54,12 @@ def worker_running(r: redis.Redis, request_id: str) -> str:
 
 
 def restore_workers(running: PrivateStack, count: int = 2) -> None:
-    """Replace dead workers so that the next test starts with `count` of them again."""
+    """Replace dead workers so that the next test starts with `count` of them again (a real-model worker's start can
+    take minutes on a loaded 2-core host)."""
     live = sum(1 for name, p in running.stack.processes if name == "worker" and p.poll() is None)
     for _ in range(count - live):
         running.stack.spawn("worker")
-    wait_for(lambda: httpx.get(f"{running.url}/health").json().get("workers") == count, 120, "workers", 0.5)
+    wait_for(lambda: httpx.get(f"{running.url}/health").json().get("workers") == count, 300, "workers", 0.5)
 
 
 def reference(running: PrivateStack, body: dict = LONG) -> str:
