@@ -356,11 +356,13 @@ class Yields:
     def __init__(self, patience: float) -> None:
         self.patience = patience
         self.asked: dict[str, float] = {}  # request_id -> when its worker was asked
+        self.cancelled: set[str] = set()  # asked, then cancelled: ended, not queued again, once handed back
 
     def ask(self, queue: WaitingQueue, workers: list[WorkerState], clock: float) -> dict[str, list[str]]:
         """The lines to ask now (`lines_to_yield`), remembered as asked."""
         running = {rid for w in workers for rid in w.assigned}
         self.asked = {rid: at for rid, at in self.asked.items() if rid in running and at > clock - self.patience}
+        self.cancelled &= running
         if not queue.interactive():
             return {}
         chosen = lines_to_yield(queue, workers, set(self.asked))
