@@ -189,8 +189,8 @@ class PolicySettings(Concern):
     title: ClassVar[str] = "The scheduler"
     scheduling_policy: str = setting(
         "fair",
-        "`fair`: interactive requests moved off a lost worker first, then the tenant (API key, or HTTP request without keys) running the "
-        "fewest, none above 7/8 of all slots; `fifo`: arrival order (for comparison)",
+        "`fair`: interactive requests moved off a lost worker first, then the tenant (API key, or HTTP request "
+        "without keys) running the fewest, none above 7/8 of all slots; `fifo`: arrival order (for comparison)",
         choices=('fair', 'fifo'))
     poison_limit: int = setting(
         3,
