@@ -98,10 +98,22 @@ class Submit(msgspec.Struct, tag="submit"):
     # A line of a batch job (/v1/batches): it waits in the background lane, which runs only what interactive
     # requests leave free (scheduler/policy.py).
     background: bool = False
+    # Times a batch line handed its slot back to interactive requests (a Yield) and went back to the lane, with
+    # its delivered tokens in `resume`: a yield is no migration (MIGRATION_LIMIT), and past YIELD_LIMIT
+    # (scheduler/policy.py) a line runs to its end.
+    yields: int = 0
 
 
 class Cancel(msgspec.Struct, tag="cancel"):
     request_id: str
+
+
+class Yield(msgspec.Struct, tag="yield"):
+    """The scheduler asks a worker to hand back these batch lines' slots to interactive requests: each one it
+    still runs leaves its engine and is told back in a Yielded event, its assignment and progress list left as
+    they are for the scheduler to move it back to the background lane."""
+
+    request_ids: list[str]
 
 
 class Batch(msgspec.Struct, tag="batch"):
@@ -182,6 +194,14 @@ class Returned(msgspec.Struct, tag="returned"):
     reason: str = ""
 
 
+class Yielded(msgspec.Struct, tag="yielded"):
+    """A worker stopped running `request_id` as a Yield asked, after publishing every token it had made of it:
+    the scheduler puts it back in the queue with the tokens its progress list holds (its slot is free)."""
+
+    worker_id: str
+    request_id: str
+
+
 class Handoff(msgspec.Struct, tag="handoff"):
     """A worker told to stop left its running requests to the others: the scheduler moves them now,
     each with the tokens it has delivered, rather than waiting for the worker's heartbeat to lapse."""
@@ -257,11 +277,11 @@ class TraceEvent(msgspec.Struct, array_like=True):
 
 
 RequestMessage = Submit | Cancel
-InboxMessage = Batch | Cancel | Tokenize | Detokenize
+InboxMessage = Batch | Cancel | Yield | Tokenize | Detokenize
 Result = Token | Done | Error
 # What a worker answers a Tokenize or a Detokenize with.
 Reply = Tokens | Error
-WorkerEvent = Finished | Handoff | Returned
+WorkerEvent = Finished | Handoff | Returned | Yielded
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders: dict[object, msgspec.msgpack.Decoder] = {}

@@ -189,8 +189,8 @@ class PolicySettings(Concern):
     title: ClassVar[str] = "The scheduler"
     scheduling_policy: str = setting(
         "fair",
-        "`fair`: migrated requests first, then the tenant (API key, or HTTP request without keys) running the "
-        "fewest, none above 7/8 of all slots; `fifo`: arrival order (for comparison)",
+        "`fair`: interactive requests moved off a lost worker first, then the tenant (API key, or HTTP request "
+        "without keys) running the fewest, none above 7/8 of all slots; `fifo`: arrival order (for comparison)",
         choices=('fair', 'fifo'))
     poison_limit: int = setting(
         3,
@@ -199,7 +199,8 @@ class PolicySettings(Concern):
         positive=True)
     migration_limit: int = setting(
         3,
-        "times a request may move to another worker after losing its own; past it the client gets `migration_limit`")
+        "times a request may move to another worker after losing its own; past it the client gets `migration_limit` "
+        "(a batch line handing its slot back to interactive requests does not count)")
 
 
 @dataclass(frozen=True)

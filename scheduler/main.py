@@ -10,8 +10,9 @@ stream with those tokens, to continue on another worker.
 
 This module is the service's loop: taking over from a predecessor, consuming both streams, expiry and dispatch.
 The leader lease and a predecessor's pending entries are scheduler/leadership.py's; the workers it sees and what
-happens to a lost one, scheduler/roster.py's; what it writes of a request's fate, scheduler/outcomes.py's; who
-runs next, scheduler/policy.py's."""
+happens to a lost one (or to a batch line handed back), scheduler/roster.py's; what it writes of a request's fate,
+scheduler/outcomes.py's; who runs next, and which batch lines yield their slots to interactive requests waiting,
+scheduler/policy.py's."""
 
 from __future__ import annotations
 
@@ -28,7 +29,20 @@ from common.clients import sync_client
 from common.counters import QueueCounts
 from common.errors import ErrorCode
 from common.keys import OWNER_TTL_SECONDS, PAYLOAD, SCHEDULER_GROUP, WORKER_KEYS_TTL_SECONDS, Keys
-from common.protocol import Batch, Cancel, Finished, Handoff, RequestMessage, Returned, Submit, WorkerEvent, encode, now
+from common.protocol import (
+    Batch,
+    Cancel,
+    Finished,
+    Handoff,
+    RequestMessage,
+    Returned,
+    Submit,
+    WorkerEvent,
+    Yield,
+    Yielded,
+    encode,
+    now,
+)
 from common.runtime import REDIS_ERRORS, Backoff, decode_or_drop, redis_trouble, service_id
 from common.settings import SchedulerSettings
 from common.streams import StreamWriter
@@ -40,9 +54,13 @@ from scheduler.outcomes import Outcomes
 from scheduler.policy import (
     BATCH_OVERHEAD,
     PRIORITY_CLASSES,
+    YIELD_LIMIT,
+    YIELD_PATIENCE_BEATS,
     InteractivePeak,
     Queued,
     WaitingQueue,
+    WorkerState,
+    Yields,
     fits_a_batch,
     interactive_demand,
     model_figures,
@@ -74,6 +92,7 @@ class Scheduler:
         self.leading = False
         self.queue = WaitingQueue(fair=self.settings.scheduling_policy == "fair")
         self.interactive = InteractivePeak()
+        self.yields = Yields(YIELD_PATIENCE_BEATS * self.settings.heartbeat_interval)
         self.roster = Roster(self.redis, self.keys, self.settings, self.outcomes,
                              lambda: self._consume({self.keys.events: ">"}, block_ms=None))
         # A standby or a demoted leader shows no work: only the leader's gauges count.
@@ -198,6 +217,8 @@ class Scheduler:
             return
         for worker in self.roster.workers.values():
             if rid in worker.assigned:
+                if rid in self.yields.asked:  # its worker may hand it back before the cancel reaches it
+                    self.yields.cancelled.add(rid)
                 self.streams.inbox(pipe, worker.worker_id, cancel)
                 log.info("cancel forwarded", extra={"request_id": rid, "worker_id": worker.worker_id})
                 return
@@ -208,12 +229,17 @@ class Scheduler:
             handoffs.append(event.worker_id)
         if isinstance(event, Returned):
             self._returned(pipe, event)
+        if isinstance(event, Yielded):
+            self.roster.take_back(pipe, event.worker_id, event.request_id,
+                                  cancelled=event.request_id in self.yields.cancelled)
+            self.yields.cancelled.discard(event.request_id)
         if not isinstance(event, Finished | Returned):
             return
         pipe.hdel(self.keys.assigned(event.worker_id), event.request_id)
         worker = self.roster.workers.get(event.worker_id)
         if worker:
             worker.assigned.pop(event.request_id, None)
+            worker.settled.discard(event.request_id)
         self.roster.model_of.pop(event.request_id, None)
 
     def _returned(self, pipe: redis.client.Pipeline, event: Returned) -> None:
@@ -268,8 +294,25 @@ class Scheduler:
         if not self.queue:
             return
         batches = plan(self.queue, workers, self.limit, clock, reserved)
-        if not batches:
+        if batches:
+            self._send(batches, clock)
+        self._preempt(workers, clock)
+
+    def _preempt(self, workers: list[WorkerState], clock: float) -> None:
+        """Interactive requests still waiting past the free slots: the latest batch lines dispatched hand theirs
+        back, each worker asked in one Yield (scheduler/policy.py's Yields says which, and when to ask again); they
+        come back as Yielded events (`Roster.take_back`)."""
+        asks = self.yields.ask(self.queue, workers, clock)
+        if not asks:
             return
+        pipe = self.redis.pipeline(transaction=False)
+        for worker_id, request_ids in asks.items():
+            self.streams.inbox(pipe, worker_id, Yield(request_ids))
+            log.info("asked to yield", extra={"worker_id": worker_id, "requests": len(request_ids),
+                                              "waiting": self.queue.interactive()})
+        pipe.execute()
+
+    def _send(self, batches: list[tuple[str, list[Queued]]], clock: float) -> None:
         # Each request's owner first, in a round trip of its own: a worker must never read a request in its inbox
         # before Redis knows the request is its to write (in a cluster the two keys live on different nodes).
         owners = self.redis.pipeline(transaction=False)
@@ -288,6 +331,8 @@ class Scheduler:
             metrics.BATCHES.inc()
             for item in items:
                 self.roster.workers[worker_id].assigned[item.request_id] = item.tenant
+                if item.submit.background and item.submit.yields >= YIELD_LIMIT:
+                    self.roster.workers[worker_id].settled.add(item.request_id)
                 self.roster.model_of[item.request_id] = item.model
                 self.outcomes.stamp(pipe, item.request_id, "dispatched", batch_id=batch.batch_id, worker_id=worker_id,
                             batch_size=len(items), model=item.model)

@@ -20,6 +20,8 @@ DISPATCHED = Counter("llmserve_scheduler_dispatched_total", "Requests sent to wo
 BATCHES = Counter("llmserve_scheduler_batches_total", "Batches sent to workers")
 MIGRATIONS = Counter("llmserve_scheduler_migrations_total", "Requests moved off a lost worker")
 QUEUE_TIMEOUTS = Counter("llmserve_scheduler_queue_timeouts_total", "Requests dropped after their queue deadline")
+LINES_YIELDED = Counter("llmserve_scheduler_lines_yielded_total",
+                        "Batch lines that handed their slot back to interactive requests, queued again")
 MIGRATION_FAILURES = Counter("llmserve_scheduler_migration_limit_total", "Requests failed past the migration limit")
 WORKERS_LOST = Counter("llmserve_scheduler_workers_lost_total", "Workers gone with requests in flight")
 FAILED = Counter("llmserve_scheduler_failed_total", "Requests the scheduler ended with an error", ["code"])

@@ -2,7 +2,7 @@
 
 - A request runs only on a worker that answers to the model it names (any worker, if it names none): each
   model's workers are a pool of their own, and a model without free slots holds up no other model.
-- Requests moved off a lost worker go first: their clients are already mid-stream.
+- Interactive requests moved off a lost worker go first: their clients are already mid-stream.
 - Among the rest, the tenant with the fewest requests running goes next (ties: the oldest
   request first), so a flood from one tenant does not delay another's first token, and
   one tenant never holds every slot: a few stay free for a newcomer. A lower `priority` (vLLM's
@@ -16,6 +16,10 @@
   interactive request of its model waits, and together they hold at most a tenant's share of the slots, so an
   interactive arrival always finds a slot free. Nor do they take the slots interactive requests held or waited
   for a moment ago (`InteractivePeak`): a client's next request, sent as its last one ends, finds that slot free.
+  When interactive requests wait past the free slots, running lines hand theirs back (`lines_to_yield`, a Yield to
+  their worker) and go back to the lane with their delivered tokens, ahead of the newer lines by their age; a moved
+  line (a lost worker's too) never jumps ahead of interactive requests. After YIELD_LIMIT yields a line runs to
+  its end.
 """
 
 from __future__ import annotations
@@ -42,6 +46,11 @@ BACKGROUND = "~background"
 # How long the lane leaves free the most slots interactive requests held or waited for: far longer than a client
 # takes between one answer's end and its next request, short beside a batch job's run.
 INTERACTIVE_MEMORY_S = 5.0
+# Times one batch line may hand its slot back to interactive requests: past it, it runs to its end (it cannot
+# bounce for ever under a steady surge, redoing its prefill each time).
+YIELD_LIMIT = 3
+# Heartbeat intervals the scheduler waits for a worker's Yielded before it may ask for those lines again.
+YIELD_PATIENCE_BEATS = 2
 
 
 # Classes of urgency the scheduler's metrics are labelled by (a label per priority value would be unbounded).
@@ -94,6 +103,7 @@ class WorkerState:
     prefixes: frozenset[int] = frozenset()  # text keys its heartbeat says its prefix cache holds
     expected: OrderedDict[int, float] = field(default_factory=OrderedDict)  # key -> until: sent its way since
     models: frozenset[str] = frozenset()  # the names it answers to (none known: any)
+    settled: set[str] = field(default_factory=set)  # its batch lines at YIELD_LIMIT: they run to their end
 
     @property
     def free(self) -> int:
@@ -161,7 +171,9 @@ class WaitingQueue:
         return Counter(item.model for item in self)
 
     def add(self, item: Queued) -> None:
-        if item.submit.migrations:
+        # A batch line moved (its worker lost, or it yielded) goes back to the lane: its age puts it ahead of the
+        # newer lines there, never ahead of an interactive request.
+        if item.submit.migrations and not item.submit.background:
             self.migrated.append(item)
             return
         ranked = (item.submit.priority, item.submit.submitted_at, next(self._added), item)
@@ -294,15 +306,16 @@ def plan(queue: WaitingQueue, workers: list[WorkerState], limit: int,
 def lines_to_yield(queue: WaitingQueue, workers: list[WorkerState],
                    yielding: frozenset[str] | set[str] = frozenset()) -> dict[str, list[str]]:
     """Which running batch lines to hand back so that the interactive requests waiting now start at once: worker_id
-    -> request_ids. The policy half of preempting the lane (not called yet: a worker cannot yet hand back one row,
-    see the README's Batch jobs section); the lines would go back to the background lane with their delivered
-    tokens, as a draining worker's requests do.
+    -> request_ids (`Yields.ask` remembers what it asked). Each worker ends those rows and says so (a Yielded
+    event), and the scheduler puts the lines back in the background lane with their delivered tokens, as it
+    moves a draining worker's requests.
 
     Per model, the interactive requests waiting that could run now (their tenant under its cap, at most the cap's
     room) beyond the free slots of the workers serving it, less the lines already asked to yield there
     (`yielding`), are taken from those workers' lines, the latest dispatched first (the least work to redo, since
     their cache is computed again), from the worker with the most lines left first. A draining worker's lines are
-    left to its hand-off; a free slot counts once, for the first model that needs it."""
+    left to its hand-off, and a line at YIELD_LIMIT (`settled`) to its end; a free slot counts once, for the first
+    model that needs it."""
     live = [w for w in workers if not w.draining]
     total = sum(w.slots for w in live)
     assigned = Counter(tenant for w in workers for tenant in w.assigned.values())
@@ -316,7 +329,7 @@ def lines_to_yield(queue: WaitingQueue, workers: list[WorkerState],
             room[tenant] -= runnable
     free = {w.worker_id: w.free for w in live}
     lines = {w.worker_id: [rid for rid, tenant in reversed(w.assigned.items())
-                           if tenant == BACKGROUND and rid not in yielding] for w in live}
+                           if tenant == BACKGROUND and rid not in yielding and rid not in w.settled] for w in live}
     coming = {w.worker_id: sum(rid in yielding for rid in w.assigned) for w in live}
     chosen: dict[str, list[str]] = {}
     for model, need in sorted(demand.items()):
@@ -333,6 +346,28 @@ def lines_to_yield(queue: WaitingQueue, workers: list[WorkerState],
             chosen.setdefault(worker_id, []).append(lines[worker_id].pop(0))
             need -= 1
     return chosen
+
+
+class Yields:
+    """The lines the scheduler asked to yield, and when: each counts as a slot coming free until its worker's
+    Yielded (or Finished) takes it off its worker, or until `patience` seconds pass without it (a worker that missed
+    the ask, or a line that ended meanwhile), when it may be asked again."""
+
+    def __init__(self, patience: float) -> None:
+        self.patience = patience
+        self.asked: dict[str, float] = {}  # request_id -> when its worker was asked
+        self.cancelled: set[str] = set()  # asked, then cancelled: ended, not queued again, once handed back
+
+    def ask(self, queue: WaitingQueue, workers: list[WorkerState], clock: float) -> dict[str, list[str]]:
+        """The lines to ask now (`lines_to_yield`), remembered as asked."""
+        running = {rid for w in workers for rid in w.assigned}
+        self.asked = {rid: at for rid, at in self.asked.items() if rid in running and at > clock - self.patience}
+        self.cancelled &= running
+        if not queue.interactive():
+            return {}
+        chosen = lines_to_yield(queue, workers, set(self.asked))
+        self.asked.update((rid, clock) for rids in chosen.values() for rid in rids)
+        return chosen
 
 
 def choose(keys: Sequence[int], free: dict[str, int], states: dict[str, WorkerState], clock: float) -> str:

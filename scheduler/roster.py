@@ -1,6 +1,7 @@
 """The workers the leading scheduler sees: who is alive (their heartbeats), what each runs (its assignments in
 Redis), and what happens to a worker that is gone: its requests go back on the stream with the tokens they had
-delivered, to continue elsewhere, and its keys are removed; the keys of live workers last no longer than they do."""
+delivered, to continue elsewhere, and its keys are removed; the keys of live workers last no longer than they do.
+A batch line a worker handed back (a Yield) goes back on the stream the same way."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from common.settings import SchedulerSettings
 from common.streams import StreamWriter
 from scheduler import metrics
 from scheduler.outcomes import Outcomes
-from scheduler.policy import BATCH_OVERHEAD, WorkerState, runs_as
+from scheduler.policy import BATCH_OVERHEAD, YIELD_LIMIT, WorkerState, runs_as
 
 log = logging.getLogger("scheduler")
 
@@ -62,13 +63,15 @@ class Roster:
     def _joined(self, worker_id: str, slots: int) -> WorkerState:
         """A worker seen for the first time (or again, by a new leader): what it already runs comes
         from its assignments in Redis."""
-        known = {}
+        known, settled = {}, set()
         for rid, payload in self.redis.hgetall(self.keys.assigned(worker_id)).items():
             submit = decode_or_drop(payload, Submit, self.limit, log, "an assignment", worker_id=worker_id)
             known[rid.decode()] = runs_as(submit) if submit else ""
             self.model_of[rid.decode()] = submit.model if submit else ""
+            if submit and submit.background and submit.yields >= YIELD_LIMIT:
+                settled.add(rid.decode())
         log.info("worker joined", extra={"worker_id": worker_id, "slots": slots, "running": len(known)})
-        return WorkerState(worker_id, slots, known)
+        return WorkerState(worker_id, slots, known, settled=settled)
 
     def tend_keys(self) -> None:
         """Per-worker keys last no longer than their worker. Once per leadership, the inbox or assignments of a
@@ -133,17 +136,60 @@ class Roster:
             self.outcomes.fail(pipe, rid, ErrorCode.MIGRATION_LIMIT,
                        f"the request lost its worker {submit.migrations + 1} times")
             return
-        submit.resume = delivered
         submit.migrations += 1
-        try:
-            payload = encode(submit, self.limit - BATCH_OVERHEAD)
-        except ProtocolError:
-            self.outcomes.fail(pipe, rid, ErrorCode.REQUEST_TOO_LARGE,
-                       f"the request lost its worker, and with its {len(delivered)} delivered tokens it no longer "
-                       "fits one message to another")
+        if self._put_back(pipe, submit, delivered, "lost its worker") is None:
             return
         metrics.MIGRATIONS.inc()
         self.outcomes.stamp(pipe, rid, "migrated", resume_tokens=len(delivered), migrations=submit.migrations)
         log.warning("migrating", extra={"request_id": rid, "resume_tokens": len(delivered),
                                         "migrations": submit.migrations})
+
+    def take_back(self, pipe: redis.client.Pipeline, worker_id: str, request_id: str, cancelled: bool) -> None:
+        """A batch line its worker handed back (a Yield: its Yielded event) goes back on the stream with the tokens
+        it delivered, one more yield counted and counted in again (it left the admission counts at dispatch); one
+        `cancelled` meanwhile (its client's cancel reached the worker too late) ends here. An assignment gone
+        already moved with its lost worker: its owner, the next worker's by now, is left alone."""
+        payload = self.redis.hget(self.keys.assigned(worker_id), request_id)
+        if payload is None:
+            return
+        if (worker := self.workers.get(worker_id)) is not None:
+            worker.assigned.pop(request_id, None)
+        self.model_of.pop(request_id, None)
+        # As for a lost worker: its owner cleared before its progress is read, so that nothing lands after.
+        reads = self.redis.pipeline(transaction=False)
+        reads.set(self.keys.owner(request_id), "", ex=OWNER_TTL_SECONDS)
+        self.outcomes.progress.read(reads, request_id)
+        delivered = [int(t) for t in reads.execute()[1]]
+        pipe.hdel(self.keys.assigned(worker_id), request_id)
+        submit = decode_or_drop(payload, Submit, self.limit, log, "a yielded assignment", worker_id=worker_id)
+        if submit is None:
+            self.outcomes.fail(pipe, request_id, ErrorCode.INTERNAL_ERROR, "its assignment could not be read back")
+            return
+        if cancelled:
+            self.outcomes.progress.forget(pipe, request_id)
+            self.outcomes.stamp(pipe, request_id, "cancelled", where="yielded")
+            return
+        submit.yields += 1
+        requeued = self._put_back(pipe, submit, delivered, "handed its slot back")
+        if requeued is None:
+            return
+        if not submit.migrations:
+            self.outcomes.counts.count_in(pipe, 1, len(requeued))
+        metrics.LINES_YIELDED.inc()
+        self.outcomes.stamp(pipe, request_id, "requeued", reason="yielded", resume_tokens=len(delivered),
+                            yields=submit.yields)
+        log.info("yielded line requeued", extra={"request_id": request_id, "worker_id": worker_id,
+                                                 "resume_tokens": len(delivered), "yields": submit.yields})
+
+    def _put_back(self, pipe: redis.client.Pipeline, submit: Submit, delivered: list[int], why: str) -> bytes | None:
+        """Queue `submit` again, to continue from `delivered`: its payload, or None (failed: it no longer fits)."""
+        submit.resume = delivered
+        try:
+            payload = encode(submit, self.limit - BATCH_OVERHEAD)
+        except ProtocolError:
+            self.outcomes.fail(pipe, submit.request_id, ErrorCode.REQUEST_TOO_LARGE,
+                       f"the request {why}, and with its {len(delivered)} delivered tokens it no longer fits one "
+                       "message to another")
+            return None
         self.streams.request(pipe, payload)
+        return payload

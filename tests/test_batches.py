@@ -11,6 +11,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -22,7 +23,7 @@ from gateway.batch_lines import read_lines, window_seconds
 from gateway.batch_store import BatchKeys
 from gateway.errors import ApiError
 from harness.stacks import PrivateStack
-from tests.conftest import RunningStack, openai_client, pid_of, sim_stack, wait_for
+from tests.conftest import RunningStack, openai_client, pid_of, sim_stack, trace, wait_for
 from tests.test_resume import running, sim_text
 
 ALPHA = {"Authorization": "Bearer alpha"}
@@ -280,6 +281,57 @@ def test_the_lane_takes_only_what_interactive_requests_leave(sim: PrivateStack) 
     assert lines_left(sim) == 0
     with pytest.raises(openai.ConflictError, match="cancelled"):
         client.batches.cancel(job.id)
+
+
+def first_token_after(url: str, prompt: str, tokens: int) -> tuple[float, str]:
+    """Stream one interactive completion: seconds to its first token, and its whole text."""
+    started, first, text = time.monotonic(), None, ""
+    client = openai_client(url, api_key="alpha")
+    for chunk in client.completions.create(model="sim", prompt=prompt, max_tokens=tokens, stream=True,
+                                           extra_body={"ignore_eos": True}):
+        if chunk.choices and chunk.choices[0].text:
+            first = first if first is not None else time.monotonic() - started
+            text += chunk.choices[0].text
+    assert first is not None, "no token came"
+    return first, text
+
+
+def test_running_lines_yield_their_slots_to_a_surge_and_resume_from_their_tokens() -> None:
+    """One worker of 8 slots, the job's lines holding 7 (10 s each): 5 interactive streams of 2 s at once find 1
+    slot free, so lines hand theirs back and every stream starts within 1.5 s (0.3 s here; without preemption they
+    took turns at the free slot, the last after 9 s). Every line is still answered once, its text that of a run
+    without a yield, and the lines handed back resumed from the tokens they had delivered."""
+    with sim_stack(1, **{**SETTINGS, "NAMESPACE": f"{NAMESPACE}-yield", "SIM_STEP_MS": "20"}) as stack:
+        client = keyed(stack)
+        prompts = {f"y{i}": f"yielding line {i}" for i in range(9)}
+        job = run_job(client, [line(cid, p, max_tokens=500) for cid, p in prompts.items()])
+        wait_for(lambda: running(stack) >= 7, 60, "the job to fill its share of the slots")
+        time.sleep(1.0)  # a second of tokens each: a yield has something to resume from
+        surge = {f"interactive {n}": 100 for n in range(5)}
+        with ThreadPoolExecutor(len(surge)) as pool:
+            answers = dict(zip(surge, pool.map(lambda p: first_token_after(stack.url, p, surge[p]), surge),
+                               strict=True))
+        firsts = sorted(first for first, _ in answers.values())
+        assert firsts[-1] < 1.5, f"first tokens after {firsts} s; a line runs 10 s, a stream 2 s"
+        assert all(text == sim_text(p, surge[p]) for p, (_, text) in answers.items())
+        job = ended(client, job.id, timeout=120)
+        assert job.status == "completed" and (job.request_counts.completed, job.request_counts.failed) == (9, 0)
+        out = lines_of(client, job.output_file_id)
+        assert sorted(x["custom_id"] for x in out) == sorted(prompts)
+        hops = {x["custom_id"]: trace(stack.url, x["response"]["request_id"], ALPHA) for x in out}
+        yielded = {cid: [e for e in events if e["hop"] == "requeued"] for cid, events in hops.items()}
+        yielded = {cid: events for cid, events in yielded.items() if events}
+        assert 3 <= len(yielded) <= 5, {cid: [e["hop"] for e in events] for cid, events in hops.items()}
+        for answer in out:
+            body = answer["response"]["body"]
+            assert body["choices"][0]["text"] == sim_text(prompts[answer["custom_id"]], 500)
+            assert body["usage"]["completion_tokens"] == 500
+        for cid, requeued in yielded.items():
+            assert [e["detail"]["yields"] for e in requeued] == [1] and requeued[0]["detail"]["resume_tokens"] > 10
+            assert [e["hop"] for e in hops[cid]].count("yielded") == 1
+            assert [e["hop"] for e in hops[cid]].count("dispatched") == 2
+        metrics = httpx.get(f"http://127.0.0.1:{stack.stack.env['SCHEDULER_METRICS_PORT']}/metrics").text
+        assert f"llmserve_scheduler_lines_yielded_total {float(len(yielded))}" in metrics
 
 
 def test_lines_left_when_the_window_passes_are_failed_as_expired(sim: PrivateStack) -> None:

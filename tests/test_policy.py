@@ -7,10 +7,12 @@ from scheduler.policy import (
     BACKGROUND,
     BATCH_OVERHEAD,
     PRIORITY_CLASSES,
+    YIELD_LIMIT,
     InteractivePeak,
     Queued,
     WaitingQueue,
     WorkerState,
+    Yields,
     fits_a_batch,
     interactive_demand,
     lines_to_yield,
@@ -23,9 +25,10 @@ LIMIT = 1 << 20
 
 
 def item(rid: str, tenant: str = "t", at: float = 0.0, size: int = 100, migrations: int = 0,
-         deadline: float = 0.0, priority: int = 0, background: bool = False, model: str = "") -> Queued:
+         deadline: float = 0.0, priority: int = 0, background: bool = False, model: str = "",
+         yields: int = 0) -> Queued:
     submit = Submit(rid, SamplingParams(), prompt="p", submitted_at=at, tenant=tenant, migrations=migrations,
-                    deadline=deadline, priority=priority, background=background, model=model)
+                    deadline=deadline, priority=priority, background=background, model=model, yields=yields)
     return Queued(submit, rid.encode(), size)
 
 
@@ -312,3 +315,38 @@ def test_migrated_interactive_requests_count_and_a_free_slot_counts_once() -> No
     queue = queue_of(item("moved", tenant="x", migrations=1, model="m"), item("r0", tenant="y", model="n"))
     both = frozenset({"m", "n"})
     assert lines_to_yield(queue, [lane("w", 4, lines=3, models=both)]) == {"w": ["w-l2"]}
+
+
+def test_a_moved_line_goes_back_to_the_lane_ahead_of_newer_lines_but_behind_interactive_requests() -> None:
+    """A line moved off a lost worker (migrations) or handed back (yields) waits in the background lane, where its
+    age puts it first; it does not jump the interactive queue as a moved stream does."""
+    queue = queue_of(item("new-line", at=9, background=True), item("chat", at=8),
+                     item("lost-line", at=1, background=True, migrations=1),
+                     item("yielded-line", at=2, background=True, yields=1, migrations=0))
+    assert queue.interactive() == 1 and not queue.migrated
+    order = [ids(batch) for _ in range(4) for _, batch in plan(queue, [WorkerState("a", 1)], LIMIT)]
+    assert order == [["chat"], ["lost-line"], ["yielded-line"], ["new-line"]]
+
+
+def test_a_line_at_its_yield_limit_runs_to_its_end() -> None:
+    queue = queue_of(*(item(f"r{n}", tenant=f"t{n}", at=n) for n in range(2)))
+    worker = lane("a", 4, lines=4)
+    worker.settled = {"a-l3"}
+    assert lines_to_yield(queue, [worker]) == {"a": ["a-l2", "a-l1"]}
+    worker.settled = {f"a-l{n}" for n in range(4)}
+    assert lines_to_yield(queue, [worker]) == {}
+    assert YIELD_LIMIT == 3
+
+
+def test_lines_asked_to_yield_are_asked_again_only_after_the_patience_passes() -> None:
+    yields = Yields(patience=0.6)
+    workers = [lane("a", 4, lines=4)]
+    queue = queue_of(item("r0", tenant="x"), item("r1", tenant="y", at=1))
+    assert yields.ask(queue, workers, 10.0) == {"a": ["a-l3", "a-l2"]}
+    assert yields.ask(queue, workers, 10.3) == {}  # both still coming free
+    del workers[0].assigned["a-l3"]  # its Yielded came: off the worker, it frees the slot it was asked for
+    workers[0].assigned["r0"] = "x"
+    queue.remove("r0")
+    assert yields.ask(queue, workers, 10.4) == {} and set(yields.asked) == {"a-l2"}
+    assert yields.ask(queue, workers, 10.7) == {"a": ["a-l2"]}  # no answer within the patience: asked again
+    assert yields.ask(queue_of(), workers, 20.0) == {} and yields.asked == {}

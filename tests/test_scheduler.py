@@ -10,10 +10,25 @@ import redis
 
 from common.errors import ErrorCode
 from common.keys import PAYLOAD, WORKER_KEYS_TTL_SECONDS, Keys
-from common.protocol import Batch, Error, Finished, Heartbeat, Result, SamplingParams, Submit, decode, encode
+from common.protocol import (
+    Batch,
+    Cancel,
+    Error,
+    Finished,
+    Heartbeat,
+    InboxMessage,
+    Result,
+    SamplingParams,
+    Submit,
+    TraceEvent,
+    Yield,
+    Yielded,
+    decode,
+    encode,
+)
 from common.settings import Settings
 from scheduler.main import Scheduler
-from scheduler.policy import BATCH_OVERHEAD
+from scheduler.policy import BATCH_OVERHEAD, YIELD_LIMIT
 from tests.conftest import redis_server
 
 LIMIT = 1 << 20
@@ -241,3 +256,80 @@ def test_a_worker_that_left_while_no_scheduler_led_is_found_by_its_keys(r: redis
     assert [(q.request_id, q.migrations) for q in batch.sequences] == [("held", 1)]
     assert 0 < r.ttl(keys.inbox("w1")) <= WORKER_KEYS_TTL_SECONDS
     assert 0 < r.ttl(keys.assigned("w1")) <= WORKER_KEYS_TTL_SECONDS
+
+
+# Preempting the batch lane: a Yield to the worker, its Yielded back, the line queued again from its tokens.
+
+
+def inbox_messages(r: redis.Redis, keys: Keys, worker_id: str) -> list[InboxMessage]:
+    return [decode(fields[PAYLOAD], InboxMessage, LIMIT) for _, fields in r.xrange(keys.inbox(worker_id))]
+
+
+def yields_asked(r: redis.Redis, keys: Keys, worker_id: str) -> list[list[str]]:
+    return [m.request_ids for m in inbox_messages(r, keys, worker_id) if isinstance(m, Yield)]
+
+
+def dispatched(r: redis.Redis, keys: Keys, worker_id: str) -> list[str]:
+    return [q.request_id for m in inbox_messages(r, keys, worker_id) if isinstance(m, Batch) for q in m.sequences]
+
+
+def hops(r: redis.Redis, keys: Keys, rid: str) -> list[str]:
+    return [decode(raw, TraceEvent, LIMIT).hop for raw in r.lrange(keys.trace(rid), 0, -1)]
+
+
+def lane_of_three(r: redis.Redis, redis_url: str, ns: str, **lines: dict) -> Scheduler:
+    """A worker of 4 slots running `lines` (their Submit fields), dispatched in order: the lane's 3 at most."""
+    keys = Keys(ns)
+    s = scheduler(redis_url, ns, heartbeat_interval=0.4)
+    s._take_over()
+    worker_beat(r, keys, "w", slots=4)
+    s.roster.next_refresh = 0
+    for at, (rid, fields) in enumerate(lines.items()):
+        submit(r, keys, rid, background=True, submitted_at=float(at), **fields)
+    s._tick()
+    return s
+
+
+def test_a_surge_makes_the_latest_line_yield_and_it_comes_back_to_the_lane_with_its_tokens(
+        r: redis.Redis, redis_url: str, ns: str) -> None:
+    keys = Keys(ns)
+    s = lane_of_three(r, redis_url, ns, line0={}, line1={}, line2={}, line3={})
+    assert dispatched(r, keys, "w") == ["line0", "line1", "line2"]
+    r.rpush(keys.progress("line2"), 5, 6, 7)  # what the worker delivered of it
+    submit(r, keys, "chat-a", tenant="a", submitted_at=10.0)
+    submit(r, keys, "chat-b", tenant="b", submitted_at=11.0)
+    s._tick()  # chat-a takes the free slot; chat-b waits, so the latest line is asked for its slot
+    assert dispatched(r, keys, "w")[3:] == ["chat-a"] and yields_asked(r, keys, "w") == [["line2"]]
+    s._tick()
+    assert yields_asked(r, keys, "w") == [["line2"]]  # asked once within the patience
+    r.xadd(keys.events, {PAYLOAD: encode(Yielded("w", "line2"), LIMIT)})
+    s._tick()  # its slot is chat-b's at once
+    assert dispatched(r, keys, "w")[4:] == ["chat-b"]
+    assert r.get(keys.owner("line2")) == b"" and not r.hexists(keys.assigned("w"), "line2")
+    s._tick()  # the line is back from the stream, in the lane, ahead of the newer line3
+    assert [(q.request_id, q.submit.resume, q.submit.yields, q.submit.migrations) for q in s.queue] == [
+        ("line2", [5, 6, 7], 1, 0), ("line3", [], 0, 0)]
+    queued = sum(len(encode(q.submit, LIMIT)) for q in s.queue)
+    assert (int(r.get(keys.queued)), int(r.get(keys.queued_bytes))) == (2, queued)  # counted in again
+    assert hops(r, keys, "line2")[-2:] == ["requeued", "queued"]
+
+
+def test_a_line_at_the_yield_limit_is_not_asked_and_one_cancelled_while_asked_ends(
+        r: redis.Redis, redis_url: str, ns: str) -> None:
+    keys = Keys(ns)
+    s = lane_of_three(r, redis_url, ns, fresh={}, tired={"yields": YIELD_LIMIT})
+    for n in range(4):
+        submit(r, keys, f"chat{n}", tenant=f"t{n}", submitted_at=10.0 + n)
+    s._tick()  # two slots free, two more wanted: only the fresh line may yield
+    assert yields_asked(r, keys, "w") == [["fresh"]] and s.roster.workers["w"].settled == {"tired"}
+    r.rpush(keys.progress("fresh"), 1, 2)
+    s.redis.xadd(keys.requests, {PAYLOAD: encode(Cancel("fresh"), LIMIT)})
+    s._tick()  # the cancel goes on to the worker, which has handed the line back already
+    assert isinstance(inbox_messages(r, keys, "w")[-1], Cancel)
+    queued = int(r.get(keys.queued))
+    r.xadd(keys.events, {PAYLOAD: encode(Yielded("w", "fresh"), LIMIT)})
+    s._tick()
+    s._tick()
+    assert "fresh" not in [q.request_id for q in s.queue] and not r.exists(keys.progress("fresh"))
+    assert int(r.get(keys.queued)) == queued - 1  # chat2 took its slot; nothing counted in
+    assert not r.hexists(keys.assigned("w"), "fresh") and "fresh" not in s.roster.workers["w"].assigned

@@ -13,29 +13,27 @@ import redis
 from common.clients import sync_client
 from common.errors import ErrorCode
 from common.journey import stamp
-from common.keys import PAYLOAD, Keys
+from common.keys import Keys
 from common.prefix_keys import prefix_keys
 from common.progress import Progress
 from common.protocol import (
     Batch,
     Cancel,
-    Detokenize,
     Done,
     Error,
     Finished,
     Handoff,
     Heartbeat,
-    InboxMessage,
-    ProtocolError,
     Returned,
     Submit,
     Token,
-    Tokenize,
+    Yield,
+    Yielded,
     encode,
     now,
 )
 from common.resultlog import publish_results, refused
-from common.runtime import REDIS_ERRORS, Backoff, decode_or_drop, parse_heartbeats, redis_trouble, service_id
+from common.runtime import REDIS_ERRORS, Backoff, parse_heartbeats, redis_trouble, service_id
 from common.settings import WorkerSettings
 from common.streams import StreamWriter
 from common.telemetry import serve_metrics, setup_logging
@@ -43,6 +41,7 @@ from common.tracing import Tracing
 from worker import compat_metrics, engines, metrics
 from worker.core import Engine, GrammarError, Model, PromptInvalid, PromptTooLong, StepOutput, StepResult
 from worker.heartbeat import Heartbeats
+from worker.inbox import Inbox
 from worker.output import delivered_reason
 from worker.ownership import standing
 from worker.timing import Timing
@@ -59,7 +58,7 @@ class Worker:
         self.id = service_id()
         self.loaded = loaded
         self.engine = engine
-        self.inbox_cursor = "0-0"
+        self.inbox = Inbox(self.redis, self.keys, self.id, settings)
         self.finished_total = 0
         self.drain_until: float | None = None  # set by SIGTERM
         self.handing_off: bool | None = None  # decided once, when the loop sees the drain
@@ -172,22 +171,15 @@ class Worker:
             return []
 
     def _read_inbox(self, block: bool) -> None:
-        wait_ms = int(self.settings.heartbeat_interval * 1000) if block else None
-        inbox = self.keys.inbox(self.id)
-        replies = self.redis.xread({inbox: self.inbox_cursor}, block=wait_ms)
-        for _stream, entries in replies:
-            for entry_id, fields in entries:
-                self.inbox_cursor = entry_id
-                message = decode_or_drop(fields.get(PAYLOAD), InboxMessage, self.settings.max_message_bytes, log,
-                                         "a malformed inbox message", entry=entry_id)
-                if isinstance(message, Batch):
-                    self._admit(message)
-                elif isinstance(message, Cancel):
-                    self._cancel(message)
-                elif message is not None:
-                    self._answer(message)
-            # Read is done with: what the worker holds now lives in its engine, and in its assignments in Redis.
-            self.redis.xdel(inbox, *(entry_id for entry_id, _ in entries))
+        for message in self.inbox.read(int(self.settings.heartbeat_interval * 1000) if block else None):
+            if isinstance(message, Batch):
+                self._admit(message)
+            elif isinstance(message, Cancel):
+                self._cancel(message)
+            elif isinstance(message, Yield):
+                self._yield(message)
+            else:  # a gateway's /tokenize or /detokenize
+                self.inbox.answer(self.loaded, message)
 
     def _step(self) -> None:
         started = time.perf_counter()
@@ -285,19 +277,21 @@ class Worker:
             self._release(pipe, cancel.request_id, "cancelled")
             pipe.execute()
 
-    def _answer(self, job: Tokenize | Detokenize) -> None:
-        """/tokenize and /detokenize, between two steps: the tokenizer is the model's, and only this loop uses it."""
-        limit = self.settings.max_message_bytes
-        try:
-            payload = encode(self.loaded.answer(job), limit)
-        except ProtocolError as exc:
-            payload = encode(Error(ErrorCode.REQUEST_TOO_LARGE, f"the answer does not fit one bus message: {exc}"),
-                             limit)
-        except Exception as exc:  # whatever the text does to the tokenizer or its template, the worker goes on
-            log.warning("tokenize failed", extra={"request_id": job.request_id, "error": str(exc)})
-            payload = encode(Error(ErrorCode.INVALID_VALUE, f"the tokenizer could not take it: {exc}"[:4096]), limit)
+    def _yield(self, message: Yield) -> None:
+        """Batch lines hand their slots back: each one still running leaves the engine, neither released nor
+        forgotten. The inbox is read after the last step's pipeline ran, so its progress list holds every token it
+        made when the scheduler, told by a Yielded, clears its owner and moves it back to the queue from there."""
         pipe = self.redis.pipeline(transaction=False)
-        publish_results(pipe, self.keys, self.settings, [(job.request_id, payload, "")])
+        for rid in message.request_ids:
+            if not self.engine.cancel(rid):
+                continue  # it ended meanwhile: its Finished is on its way
+            timing = self.timings.pop(rid, None)
+            if timing is not None:
+                self.tracing.end(timing.span, **{"llmserve.outcome": "yielded"})
+            metrics.FINISHED.labels("yielded").inc()
+            self._stamp(pipe, rid, "yielded", worker_id=self.id)
+            self.streams.event(pipe, Yielded(self.id, rid))
+            log.info("yielded", extra={"request_id": rid, "worker_id": self.id})
         pipe.execute()
 
     def _publish(self, result: StepResult, step_s: float) -> None:
