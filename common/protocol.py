@@ -202,6 +202,15 @@ class Yielded(msgspec.Struct, tag="yielded"):
     request_id: str
 
 
+class Unheld(msgspec.Struct, tag="unheld"):
+    """Requests the worker's assignments name that it does not hold, at two of its checks (worker/ownership.py's
+    Audit): their Batch or their ending was lost (a Redis failover drops the last writes). The scheduler moves each
+    on as a lost worker's, or releases it where its owner key says it ended."""
+
+    worker_id: str
+    request_ids: list[str]
+
+
 class Handoff(msgspec.Struct, tag="handoff"):
     """A worker told to stop left its running requests to the others: the scheduler moves them now,
     each with the tokens it has delivered, rather than waiting for the worker's heartbeat to lapse."""
@@ -281,7 +290,7 @@ InboxMessage = Batch | Cancel | Yield | Tokenize | Detokenize
 Result = Token | Done | Error
 # What a worker answers a Tokenize or a Detokenize with.
 Reply = Tokens | Error
-WorkerEvent = Finished | Handoff | Returned | Yielded
+WorkerEvent = Finished | Handoff | Returned | Yielded | Unheld
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders: dict[object, msgspec.msgpack.Decoder] = {}

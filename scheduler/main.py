@@ -37,6 +37,7 @@ from common.protocol import (
     RequestMessage,
     Returned,
     Submit,
+    Unheld,
     WorkerEvent,
     Yield,
     Yielded,
@@ -229,6 +230,8 @@ class Scheduler:
             handoffs.append(event.worker_id)
         if isinstance(event, Returned):
             self._returned(pipe, event)
+        if isinstance(event, Unheld):
+            self.roster.reclaim(pipe, event.worker_id, event.request_ids)
         if isinstance(event, Yielded):
             self.roster.take_back(pipe, event.worker_id, event.request_id,
                                   cancelled=event.request_id in self.yields.cancelled)

@@ -22,6 +22,9 @@ MIGRATIONS = Counter("llmserve_scheduler_migrations_total", "Requests moved off 
 QUEUE_TIMEOUTS = Counter("llmserve_scheduler_queue_timeouts_total", "Requests dropped after their queue deadline")
 LINES_YIELDED = Counter("llmserve_scheduler_lines_yielded_total",
                         "Batch lines that handed their slot back to interactive requests, queued again")
+UNHELD = Counter("llmserve_scheduler_unheld_total",
+                 "Assignments their live worker reported it did not hold (a Batch or an ending lost in a Redis "
+                 "failover): moved on, or released where they had ended")
 MIGRATION_FAILURES = Counter("llmserve_scheduler_migration_limit_total", "Requests failed past the migration limit")
 WORKERS_LOST = Counter("llmserve_scheduler_workers_lost_total", "Workers gone with requests in flight")
 FAILED = Counter("llmserve_scheduler_failed_total", "Requests the scheduler ended with an error", ["code"])

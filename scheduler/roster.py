@@ -106,28 +106,63 @@ class Roster:
             metrics.WORKERS_LOST.inc()
         level = logging.WARNING if assigned else logging.INFO
         log.log(level, "worker gone", extra={"worker_id": worker_id, "in_flight": len(assigned)})
-        # Each request's owner cleared before its progress is read: a write of the lost worker that reaches Redis
-        # later (it was partitioned, not dead) is refused, and cannot add to the tokens the next worker resumes from.
+        pipe = self.redis.pipeline(transaction=False)
+        self._move_on(pipe, worker_id, {rid.decode(): payload for rid, payload in assigned.items()})
+        # One key a command: a cluster pipeline takes no multi-key DEL.
+        pipe.delete(self.keys.assigned(worker_id))
+        pipe.delete(self.keys.inbox(worker_id))
+        pipe.srem(self.keys.workers, worker_id)
+        pipe.execute()
+
+    def reclaim(self, pipe: redis.client.Pipeline, worker_id: str, request_ids: list[str]) -> None:
+        """Assignments a live worker says it does not hold (an Unheld event). One this scheduler freed already (its
+        HDEL lost, or still in `pipe` behind an event read just before) is only removed. Of the others, one whose
+        owner key no longer names the worker ended (only its Finished was lost) and is released; the rest (their
+        Batch lost) move on as a lost worker's. A worker not seen alive is left to `lose`."""
+        worker = self.workers.get(worker_id)
+        if worker is None:
+            return
+        held = [rid for rid in request_ids if rid in worker.assigned]
+        for rid in request_ids:
+            pipe.hdel(self.keys.assigned(worker_id), rid)
+        if not held:
+            return
+        reads = self.redis.pipeline(transaction=False)
+        reads.hmget(self.keys.assigned(worker_id), held)
+        for rid in held:
+            reads.get(self.keys.owner(rid))
+        payloads, *owners = reads.execute()
+        stray: dict[str, bytes] = {}
+        for rid, payload, owner in zip(held, payloads, owners, strict=True):
+            worker.assigned.pop(rid, None)
+            worker.settled.discard(rid)
+            self.model_of.pop(rid, None)
+            if payload is not None and owner in (None, worker_id.encode()):
+                stray[rid] = payload
+            else:  # PUBLISH_RESULTS marks an ended request's owner ''
+                log.warning("unheld assignment released: the request ended", extra={"request_id": rid,
+                                                                                    "worker_id": worker_id})
+        metrics.UNHELD.inc(len(held))
+        self._move_on(pipe, worker_id, stray)
+
+    def _move_on(self, pipe: redis.client.Pipeline, worker_id: str, assigned: dict[str, bytes]) -> None:
+        """Requests that left their worker unfinished, each back on the stream with the tokens it had delivered;
+        one that cannot move fails alone. Each request's owner is cleared before its progress is read: a write of
+        the old worker that reaches Redis later (it was partitioned, not dead) is refused, and cannot add to the
+        tokens the next worker resumes from."""
         reads = self.redis.pipeline(transaction=False)
         for rid in assigned:
-            reads.set(self.keys.owner(rid.decode()), "", ex=OWNER_TTL_SECONDS)
-            self.outcomes.progress.read(reads, rid.decode())
-        pipe = self.redis.pipeline(transaction=False)
-        for rid in assigned:
-            self.model_of.pop(rid.decode(), None)
+            reads.set(self.keys.owner(rid), "", ex=OWNER_TTL_SECONDS)
+            self.outcomes.progress.read(reads, rid)
+            self.model_of.pop(rid, None)
         for (rid, payload), delivered in zip(assigned.items(), reads.execute()[1::2], strict=True):
             submit = decode_or_drop(payload, Submit, self.limit, log, "an assignment", worker_id=worker_id)
             try:
                 if submit is not None:
                     self.migrate(pipe, submit, [int(t) for t in delivered])
             except Exception:
-                log.exception("a request could not be migrated; set aside", extra={"request_id": rid.decode()})
+                log.exception("a request could not be migrated; set aside", extra={"request_id": rid})
                 self.outcomes.dead_letter(pipe, submit, "it raised while migrating")
-        # One key a command: a cluster pipeline takes no multi-key DEL.
-        pipe.delete(self.keys.assigned(worker_id))
-        pipe.delete(self.keys.inbox(worker_id))
-        pipe.srem(self.keys.workers, worker_id)
-        pipe.execute()
 
     def migrate(self, pipe: redis.client.Pipeline, submit: Submit, delivered: list[int]) -> None:
         rid = submit.request_id

@@ -143,7 +143,9 @@ def test_cancel_stops_one_request_and_the_others_go_on(subject: Subject) -> None
     for _ in range(2):
         for out in engine.step().outputs:
             seen.setdefault(out.request_id, []).append(out)
+    assert engine.request_ids() == {"gone", "kept"}
     assert engine.cancel("gone") and not engine.cancel("gone") and not engine.cancel("never-added")
+    assert engine.request_ids() == {"kept"}
     after = subject.run({})
     assert "gone" not in after
     check_whole(seen.get("kept", []) + after["kept"])
@@ -155,7 +157,7 @@ def test_abort_all_forgets_every_request(subject: Subject) -> None:
         engine.add(name, ids, replace(FORCED, max_tokens=8))
     engine.step()
     assert sorted(engine.abort_all()) == ["a", "b", "c"]
-    assert not engine.has_work() and engine.running_count == engine.waiting_count == 0
+    assert not engine.has_work() and engine.running_count == engine.waiting_count == 0 and not engine.request_ids()
     assert engine.step().outputs == []
 
 
@@ -173,7 +175,9 @@ def test_slots_and_counts_say_what_the_engine_holds(subject: Subject) -> None:
     engine.add("a", ids, replace(FORCED, max_tokens=4))
     engine.add("b", ids, replace(FORCED, max_tokens=4))
     assert engine.has_work() and engine.running_count + engine.waiting_count == 2
+    assert engine.request_ids() == {"a", "b"}  # waiting or prefilling: held all the same
     subject.run({})
+    assert engine.request_ids() == set()
 
 
 def test_a_resumed_request_continues_from_the_delivered_tokens(subject: Subject) -> None:

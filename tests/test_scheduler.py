@@ -21,6 +21,7 @@ from common.protocol import (
     SamplingParams,
     Submit,
     TraceEvent,
+    Unheld,
     Yield,
     Yielded,
     decode,
@@ -333,3 +334,40 @@ def test_a_line_at_the_yield_limit_is_not_asked_and_one_cancelled_while_asked_en
     assert "fresh" not in [q.request_id for q in s.queue] and not r.exists(keys.progress("fresh"))
     assert int(r.get(keys.queued)) == queued - 1  # chat2 took its slot; nothing counted in
     assert not r.hexists(keys.assigned("w"), "fresh") and "fresh" not in s.roster.workers["w"].assigned
+
+
+def test_assignments_their_worker_does_not_hold_move_on_unless_they_ended_or_were_freed(
+        r: redis.Redis, redis_url: str, ns: str) -> None:
+    keys = Keys(ns)
+    s = scheduler(redis_url, ns)
+    s._take_over()
+    worker_beat(r, keys, "w", slots=4)
+    s.roster.next_refresh = 0
+    for rid in ("lost", "ended", "finished"):
+        submit(r, keys, rid)
+    s._tick()
+    assert sorted(dispatched(r, keys, "w")) == ["ended", "finished", "lost"]
+    r.rpush(keys.progress("lost"), 3, 4)  # "lost": its tokens delivered, then its writes since were dropped
+    r.set(keys.owner("ended"), "")  # "ended": its ending's script ran, its Finished was dropped
+    r.hset(keys.assigned("w"), "freed", encode(Submit("freed", SamplingParams()), LIMIT))  # its HDEL was dropped
+    # "finished": its Finished is read just before the report that names it, its HDEL not yet written.
+    for event in (Finished("w", "finished"), Unheld("w", ["lost", "ended", "finished", "freed"])):
+        r.xadd(keys.events, {PAYLOAD: encode(event, LIMIT)})
+    s._tick()
+    assert r.hlen(keys.assigned("w")) == 0 and s.roster.workers["w"].assigned == {}
+    assert r.get(keys.owner("lost")) == b"" and r.get(keys.owner("ended")) == b""
+    s._tick()  # "lost" alone is back from the stream, and dispatched again
+    [again] = [q for m in inbox_messages(r, keys, "w")[1:] if isinstance(m, Batch) for q in m.sequences]
+    assert (again.request_id, again.resume, again.migrations) == ("lost", [3, 4], 1)
+    assert list(s.roster.workers["w"].assigned) == ["lost"] and "migrated" in hops(r, keys, "lost")
+    assert (int(r.get(keys.queued)), int(r.get(keys.queued_bytes))) == (0, 0)
+
+
+def test_a_report_from_a_worker_not_seen_alive_is_left_to_its_loss(r: redis.Redis, redis_url: str, ns: str) -> None:
+    keys = Keys(ns)
+    s = scheduler(redis_url, ns)
+    s._take_over()
+    r.hset(keys.assigned("ghost"), "x", encode(Submit("x", SamplingParams()), LIMIT))
+    r.xadd(keys.events, {PAYLOAD: encode(Unheld("ghost", ["x"]), LIMIT)})
+    s._consume({keys.events: ">"}, block_ms=None)
+    assert r.hexists(keys.assigned("ghost"), "x") and len(s.queue) == 0

@@ -107,6 +107,9 @@ class Engine(Protocol):
 
     def cancel(self, request_id: str) -> bool: ...
 
+    def request_ids(self) -> set[str]:
+        """Every request it holds: waiting, prefilling or running."""
+
     def abort_all(self) -> list[str]:
         """Forget every request (after a failed step); returns their ids."""
 

@@ -43,7 +43,7 @@ from worker.core import Engine, GrammarError, Model, PromptInvalid, PromptTooLon
 from worker.heartbeat import Heartbeats
 from worker.inbox import Inbox
 from worker.output import delivered_reason
-from worker.ownership import standing
+from worker.ownership import Audit, standing
 from worker.timing import Timing
 
 log = logging.getLogger("worker")
@@ -69,6 +69,7 @@ class Worker:
         self.tracing = Tracing("worker")
         self.names = settings.served_names()  # the model names it answers to
         self.heartbeats = Heartbeats(self.redis, self.keys, settings, self.id, self._heartbeat)
+        self.audit = Audit(settings.worker_ttl)
 
     def drain(self) -> None:
         """Take no new work and stop: at once, handing what runs to other workers when they have room
@@ -129,6 +130,8 @@ class Worker:
             self._fail_orphans()
         self._read_inbox(block=not self.engine.has_work())
         self._step()
+        if self.audit.due(now()):  # the requests dropped on a lost Redis are failed, and released, apart
+            self.audit.report(self.redis, self.streams, self.id, self.engine.request_ids() | set(self.orphans))
 
     def _fail_orphans(self) -> None:
         """Tell each dropped request's client, once each: in a cluster that lost a node, some clients can be

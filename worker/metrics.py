@@ -15,6 +15,9 @@ KV_CACHE_TOKENS = Gauge("llmserve_worker_kv_cache_positions", "Positions held in
 MOVED_AWAY = Counter("llmserve_worker_moved_away_total",
                      "Requests dropped here because the scheduler moved them to other workers while this one stood "
                      "still past WORKER_TTL (frozen, paused)")
+UNHELD = Counter("llmserve_worker_unheld_total",
+                 "Assignments to this worker it found it did not hold (their Batch or their ending lost in a Redis "
+                 "failover), reported to the scheduler to move on")
 HEARTBEAT_ERRORS = Counter("llmserve_worker_heartbeat_errors_total",
                            "Heartbeats not sent: Redis unreachable (redis) or a fault of the worker's own (internal)",
                            ["kind"])

@@ -105,6 +105,9 @@ class SimEngine:
         self.running = [s for s in self.running if s.request_id != request_id]
         return len(self.waiting) + len(self.running) < before
 
+    def request_ids(self) -> set[str]:
+        return {s.request_id for s in [*self.waiting, *self.running]}
+
     def abort_all(self) -> list[str]:
         dropped = [s.request_id for s in [*self.waiting, *self.running]]
         self.waiting.clear()

@@ -122,6 +122,9 @@ class LlamaCppEngine:
                 return True
         return False
 
+    def request_ids(self) -> set[str]:
+        return {s.request_id for s in [*self.running, *self.waiting]}
+
     def abort_all(self) -> list[str]:
         dropped = [s.request_id for s in [*self.running, *self.waiting]]
         self.waiting.clear()

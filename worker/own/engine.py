@@ -128,6 +128,9 @@ class Engine:
             return True
         return False
 
+    def request_ids(self) -> set[str]:
+        return {s.request_id for s in [*self.waiting, *self.prefilling, *self.running]}
+
     def abort_all(self) -> list[str]:
         """Forget every sequence (after a failed step); returns their ids so that their clients can be told."""
         dropped = [s.request_id for s in [*self.planner.clear(), *self.running]]

@@ -167,6 +167,9 @@ class VllmEngine:
         self.llm.abort_request([sequence.internal_id], internal=True)
         return True
 
+    def request_ids(self) -> set[str]:
+        return set(self.sequences)
+
     def abort_all(self) -> list[str]:
         dropped = list(self.sequences)
         internal = [s.internal_id for s in self.sequences.values()]
