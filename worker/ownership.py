@@ -59,7 +59,7 @@ class Audit:
 
     every_s: float
     next_at: float = 0.0
-    suspects: dict[str, float] = field(default_factory=dict)  # request_id -> when it was last seen held or reported
+    suspects: dict[str, float] = field(default_factory=dict)  # request_id -> first seen unheld, or last reported
 
     def due(self, clock: float) -> bool:
         return clock >= self.next_at
