@@ -122,47 +122,52 @@ class Roster:
         worker = self.workers.get(worker_id)
         if worker is None:
             return
-        held = [rid for rid in request_ids if rid in worker.assigned]
+        known = [rid for rid in request_ids if rid in worker.assigned]
         for rid in request_ids:
             pipe.hdel(self.keys.assigned(worker_id), rid)
-        if not held:
+        if not known:
             return
         reads = self.redis.pipeline(transaction=False)
-        reads.hmget(self.keys.assigned(worker_id), held)
-        for rid in held:
+        reads.hmget(self.keys.assigned(worker_id), known)
+        for rid in known:
             reads.get(self.keys.owner(rid))
         payloads, *owners = reads.execute()
         stray: dict[str, bytes] = {}
-        for rid, payload, owner in zip(held, payloads, owners, strict=True):
+        for rid, payload, owner in zip(known, payloads, owners, strict=True):
             worker.assigned.pop(rid, None)
             worker.settled.discard(rid)
-            self.model_of.pop(rid, None)
             if payload is not None and owner in (None, worker_id.encode()):
                 stray[rid] = payload
             else:  # PUBLISH_RESULTS marks an ended request's owner ''
+                self.model_of.pop(rid, None)
                 log.warning("unheld assignment released: the request ended", extra={"request_id": rid,
                                                                                     "worker_id": worker_id})
-        metrics.UNHELD.inc(len(held))
+        metrics.UNHELD.inc(len(known))
         self._move_on(pipe, worker_id, stray)
 
     def _move_on(self, pipe: redis.client.Pipeline, worker_id: str, assigned: dict[str, bytes]) -> None:
         """Requests that left their worker unfinished, each back on the stream with the tokens it had delivered;
-        one that cannot move fails alone. Each request's owner is cleared before its progress is read: a write of
-        the old worker that reaches Redis later (it was partitioned, not dead) is refused, and cannot add to the
-        tokens the next worker resumes from."""
-        reads = self.redis.pipeline(transaction=False)
+        one that cannot move fails alone."""
         for rid in assigned:
-            reads.set(self.keys.owner(rid), "", ex=OWNER_TTL_SECONDS)
-            self.outcomes.progress.read(reads, rid)
             self.model_of.pop(rid, None)
-        for (rid, payload), delivered in zip(assigned.items(), reads.execute()[1::2], strict=True):
+        for (rid, payload), delivered in zip(assigned.items(), self._fence(list(assigned)), strict=True):
             submit = decode_or_drop(payload, Submit, self.limit, log, "an assignment", worker_id=worker_id)
             try:
                 if submit is not None:
-                    self.migrate(pipe, submit, [int(t) for t in delivered])
+                    self.migrate(pipe, submit, delivered)
             except Exception:
                 log.exception("a request could not be migrated; set aside", extra={"request_id": rid})
                 self.outcomes.dead_letter(pipe, submit, "it raised while migrating")
+
+    def _fence(self, request_ids: list[str]) -> list[list[int]]:
+        """The tokens each request delivered, read after its owner is cleared, in one round trip: a write of its old
+        worker that reaches Redis later (it was partitioned, not dead) is refused, and cannot add to the tokens the
+        next worker resumes from."""
+        reads = self.redis.pipeline(transaction=False)
+        for rid in request_ids:
+            reads.set(self.keys.owner(rid), "", ex=OWNER_TTL_SECONDS)
+            self.outcomes.progress.read(reads, rid)
+        return [[int(t) for t in delivered] for delivered in reads.execute()[1::2]]
 
     def migrate(self, pipe: redis.client.Pipeline, submit: Submit, delivered: list[int]) -> None:
         rid = submit.request_id
@@ -190,11 +195,7 @@ class Roster:
         if (worker := self.workers.get(worker_id)) is not None:
             worker.assigned.pop(request_id, None)
         self.model_of.pop(request_id, None)
-        # As for a lost worker: its owner cleared before its progress is read, so that nothing lands after.
-        reads = self.redis.pipeline(transaction=False)
-        reads.set(self.keys.owner(request_id), "", ex=OWNER_TTL_SECONDS)
-        self.outcomes.progress.read(reads, request_id)
-        delivered = [int(t) for t in reads.execute()[1]]
+        [delivered] = self._fence([request_id])  # as for a lost worker: nothing it writes lands after
         pipe.hdel(self.keys.assigned(worker_id), request_id)
         submit = decode_or_drop(payload, Submit, self.limit, log, "a yielded assignment", worker_id=worker_id)
         if submit is None:
