@@ -1,4 +1,4 @@
-"""worker/weights/blocks.py and blocks.cpp: a GGUF file's own Q4_1 and Q8_0 blocks as the weights. The packed
+"""worker/weights/blocks.py and blocks.cpp: a GGUF file's own Q4_1, Q5_1 and Q8_0 blocks as the weights. The packed
 blocks hold the file's values exactly; the product is a plain torch statement of its arithmetic bit for bit,
 on every instruction set this CPU has; a row's result does not depend on its batch; the default model runs on
 them, close to float32; and the settings fail or fall back as documented."""
@@ -23,6 +23,7 @@ from worker.prompts import bundled_gguf
 from worker.weights import native
 from worker.weights.blocks import Q4_1, Q8_0, BlockError, BlockLinear, BlockLlamaLayer, FileTensor, quantize_blocks
 from worker.weights.quant import Int8LlamaLayer, RowwiseLlamaLayer, takes_blocks_together
+from worker.weights.transcode import Q5_1
 
 native_kernels()
 ops = torch.ops.llmserve
@@ -44,9 +45,9 @@ def random_blocks(kind, n: int, k: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     blocks = k // 32
     scale = (rng.standard_normal((n, blocks, 1)) * 0.01).astype(np.float16).view(np.uint8)
-    if kind == Q4_1:
+    if kind in (Q4_1, Q5_1):
         minimum = (rng.standard_normal((n, blocks, 1)) * 0.05).astype(np.float16).view(np.uint8)
-        codes = rng.integers(0, 256, (n, blocks, 16), dtype=np.uint8)
+        codes = rng.integers(0, 256, (n, blocks, 16 if kind == Q4_1 else 20), dtype=np.uint8)  # Q5_1: fifth bits
         return np.concatenate([scale, minimum, codes], axis=-1).reshape(n, -1)
     codes = rng.integers(-127, 128, (n, blocks, 32), dtype=np.int8).view(np.uint8)
     return np.concatenate([scale, codes], axis=-1).reshape(n, -1)
@@ -74,10 +75,13 @@ def reference(x: torch.Tensor, raw: np.ndarray, kind) -> torch.Tensor:
     n, blocks = raw.shape[0], k // 32
     per = raw.reshape(n, blocks, -1)
     d = torch.from_numpy(per[..., 0:2].copy().view(np.float16)).float()[..., 0]
-    if kind == Q4_1:
+    if kind in (Q4_1, Q5_1):
         m = torch.from_numpy(per[..., 2:4].copy().view(np.float16)).float()[..., 0]
-        qs = torch.from_numpy(per[..., 4:].copy()).long()
+        qs = torch.from_numpy(per[..., -16:].copy()).long()
         codes = torch.cat([qs & 15, qs >> 4], dim=-1)
+        if kind == Q5_1:  # bit i of the 32-bit word after the minimum: code i's fifth
+            word = torch.from_numpy(per[..., 4:8].copy().view("<u4").astype(np.int64))
+            codes |= ((word >> torch.arange(32)) & 1) << 4
     else:
         codes = torch.from_numpy(per[..., 2:].copy().view(np.int8)).long()
     xb = x.view(rows, blocks, 32)
@@ -93,12 +97,12 @@ def reference(x: torch.Tensor, raw: np.ndarray, kind) -> torch.Tensor:
     acc = torch.zeros(rows, n)
     for b in range(blocks):
         acc = fma(sums[:, :, b], d[None, :, b] * a[:, b, None], acc)
-        if kind == Q4_1:
+        if kind != Q8_0:
             acc = fma(m[None, :, b], scaled_sum[:, b, None], acc)
     return acc
 
 
-@pytest.mark.parametrize("kind", [Q4_1, Q8_0])
+@pytest.mark.parametrize("kind", [Q4_1, Q5_1, Q8_0])
 @pytest.mark.parametrize("rows", [1, 5, 7, 13])  # every row group: 8, 4, 2 and 1
 def test_the_product_is_its_arithmetic_in_torch_bit_for_bit_on_every_instruction_set(kind, rows: int) -> None:
     layer, raw = block_linear(kind, 40, 96, seed=rows)  # 40 outputs: the last tile half empty
@@ -109,15 +113,15 @@ def test_the_product_is_its_arithmetic_in_torch_bit_for_bit_on_every_instruction
     assert (want - float_product).norm() < 0.02 * float_product.norm()
 
 
-@pytest.mark.parametrize("kind", [Q4_1, Q8_0])
+@pytest.mark.parametrize("kind", [Q4_1, Q5_1, Q8_0])
 def test_the_largest_codes_and_activations_keep_their_exact_sums(kind) -> None:
     """Every code at its extreme against activations at +-127 in every row: the largest integer sums a kernel
-    can meet (AVX2 holds a Q4_1 block's in 16 bits before widening them), still the reference's on every
-    instruction set."""
+    can meet (AVX2 holds a Q4_1 block's in 16 bits before widening them, and a Q5_1 block's two steps of four at
+    a time), still the reference's on every instruction set."""
     raw = random_blocks(kind, 32, 128, seed=4)
     per = raw.reshape(32, 4, -1)
-    if kind == Q4_1:
-        per[..., 4:] = 0xFF  # both nibbles 15
+    if kind != Q8_0:
+        per[..., 4:] = 0xFF  # both nibbles 15 (and every fifth bit: 31)
     else:
         per[..., 2:] = np.array(127, np.int8).view(np.uint8)
         per[16:, :, 2:] = np.array(-127, np.int8).view(np.uint8)
@@ -130,7 +134,7 @@ def test_the_largest_codes_and_activations_keep_their_exact_sums(kind) -> None:
     assert_the_same_on_every_instruction_set(layer, x, want)
 
 
-@pytest.mark.parametrize("kind", [Q4_1, Q8_0])
+@pytest.mark.parametrize("kind", [Q4_1, Q5_1, Q8_0])
 def test_a_row_s_result_is_the_same_alone_and_in_any_batch(kind) -> None:
     layer, _ = block_linear(kind, 64, 576, seed=3)
     x = activations(21, 576)  # row groups of 8, 4, 2 and 1 in one call
@@ -143,7 +147,7 @@ def test_a_row_s_result_is_the_same_alone_and_in_any_batch(kind) -> None:
 
 
 def test_the_packed_blocks_hold_the_file_s_values() -> None:
-    for kind in (Q4_1, Q8_0):
+    for kind in (Q4_1, Q5_1, Q8_0):
         layer, raw = block_linear(kind, 37, 64)
         want = torch.from_numpy(gguf.quants.dequantize(raw, kind))
         assert torch.equal(layer.dequantized(), want)

@@ -70,8 +70,9 @@ def test_every_block_type_reaches_the_kernels_holding_the_file_s_weights(kind: T
     layer = BlockLinear([FileTensor("w", kind, (k, n), rows)])
     want = torch.from_numpy(quants.dequantize(rows, kind).reshape(n, k).astype(np.float32))
     got = layer.dequantized()
-    assert layer.kind == (transcode.Q4_1 if kind in (T.Q4_0, T.Q4_K) else transcode.Q8_0)
-    assert layer.exact == (kind == T.Q4_0)
+    assert layer.kind == (transcode.Q4_1 if kind in (T.Q4_0, T.Q4_K) else
+                          transcode.Q5_1 if kind in (T.Q5_0, T.Q5_1, T.Q5_K) else transcode.Q8_0)
+    assert layer.exact == (kind in (T.Q4_0, T.Q5_0, T.Q5_1))
     if layer.exact:
         assert torch.equal(got, want)
     error = ((got - want).abs().amax(dim=1) / want.abs().amax(dim=1)).max().item()
@@ -97,6 +98,15 @@ def test_a_fused_matrix_of_mixed_types_is_one_type_and_unreadable_ones_are_refus
     alone = BlockLinear([FileTensor("q", T.Q4_K, (256, 32), q4k), FileTensor("k", T.Q4_0, (256, 16),
                                                                            file_rows(T.Q4_0, 16, 256, 3))])
     assert alone.kind == transcode.Q4_1
+    q5_0 = file_rows(T.Q5_0, 16, 256, 5)
+    five = BlockLinear([FileTensor("q", T.Q4_0, (256, 16), file_rows(T.Q4_0, 16, 256, 3)),
+                        FileTensor("v", T.Q5_0, (256, 16), q5_0)])
+    assert five.kind == transcode.Q5_1 and five.exact  # both exactly Q5_1's arithmetic
+    want = np.concatenate([quants.dequantize(p, kind) for p, kind in
+                           ((file_rows(T.Q4_0, 16, 256, 3), T.Q4_0), (q5_0, T.Q5_0))])
+    assert torch.equal(five.dequantized(), torch.from_numpy(want.reshape(32, 256).astype(np.float32)))
+    with_k = BlockLinear([FileTensor("q", T.Q4_K, (256, 32), q4k), FileTensor("v", T.Q5_0, (256, 16), q5_0)])
+    assert with_k.kind == transcode.Q5_1 and not with_k.exact  # Q4_K's sub-block scales are rounded
     ternary = np.zeros((4, gguf.GGML_QUANT_SIZES[T.TQ1_0][1]), np.uint8)
     with pytest.raises(BlockError, match="TQ1_0, which the kernels cannot take"):
         BlockLinear([FileTensor("t", T.TQ1_0, (256, 4), ternary)])

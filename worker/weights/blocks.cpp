@@ -1,11 +1,11 @@
 // Linear layers over a GGUF file's own blocks (worker/weights/blocks.py packs them, worker/weights/native.py builds this file).
 //
 // A Q4_1 block is 32 weights of one output channel along its inputs: 4-bit codes c with a scale d and a
-// minimum m (w = d c + m); a Q8_0 block has signed 8-bit codes and a scale. Each token's activations are cut
+// minimum m (w = d c + m); a Q5_1 block the same with 5-bit codes; a Q8_0 block has signed 8-bit codes and a scale. Each token's activations are cut
 // into the same blocks of 32 and quantised to 8 bits per block (scale a, codes q), so a block's product is
 // d a sum(c q) + m a sum(q), its sum of codes an exact integer product (VNNI's vpdpbusd, or AVX2's
-// vpmaddubsw: 15 * 127 * 2 fits its 16-bit pair sums). A decode step then reads 5 bits per layer weight
-// instead of int8's 8.
+// vpmaddubsw: 31 * 127 * 2 fits its 16-bit pair sums). A decode step then reads 5 (Q4_1) or 6 (Q5_1) bits per
+// layer weight instead of int8's 8.
 //
 // Weights are packed in tiles of 16 output channels, one per 32-bit lane; a tile's block is its codes
 // (lane c holding 4 consecutive inputs of channel c) then its 16 scales (and minima) as float16. Every row's
@@ -36,7 +36,7 @@ using llmserve::Lanes8;
 
 constexpr int64_t kBlock = 32;  // inputs per block
 constexpr int64_t kTile = 16;   // output channels per tile
-constexpr int64_t kQ4 = 2, kQ8 = 8;  // GGUF's type numbers: Q4_1 and Q8_0
+constexpr int64_t kQ4 = 2, kQ5 = 7, kQ8 = 8;  // GGUF's type numbers: Q4_1, Q5_1 and Q8_0
 // From this many rows two tiles share each activation read (AVX-512); below, one stream of weights per thread
 // reads faster (bench/blocks.py).
 constexpr int64_t kPairRows = 4;
@@ -44,9 +44,13 @@ constexpr int64_t kPairRows = 4;
 // the block this far ahead in that stream, across the 4 KiB pages where the hardware's prefetcher stops.
 constexpr int64_t kAhead = 8;
 
-// Bytes of one tile's block: codes, then scales (and, for Q4_1, minima) as float16.
-constexpr int64_t code_bytes(int64_t type) { return type == kQ4 ? kTile * kBlock / 2 : kTile * kBlock; }
-constexpr int64_t tile_block_bytes(int64_t type) { return code_bytes(type) + (type == kQ4 ? 4 : 2) * kTile; }
+// Bytes of one tile's block: codes (for Q5_1 the low four bits as Q4_1's, then a byte of fifth bits per four
+// inputs), then scales (and, but for Q8_0, minima) as float16.
+constexpr int64_t kPlane = kTile * kBlock / 2;  // where Q5_1's fifth bits start
+constexpr int64_t code_bytes(int64_t type) {
+  return type == kQ4 ? kPlane : type == kQ5 ? kPlane + kTile * kBlock / 8 : kTile * kBlock;
+}
+constexpr int64_t tile_block_bytes(int64_t type) { return code_bytes(type) + (type == kQ8 ? 2 : 4) * kTile; }
 
 // One row's activations, quantised per block: codes, each block's scale, and its scale times its codes' sum.
 struct Quantised {
@@ -159,10 +163,16 @@ inline int32_t four_bytes(const int8_t* p) {
 }
 
 // The code of channel c, input i of a tile's block (the packing of worker/weights/blocks.py).
+// Q5_1's fifth bits: lane c's byte t holds, for step j (inputs 4 j + t and 16 + 4 j + t), the first's in bit
+// 4 + j and the second's in bit j, so that a step's bits reach bit 4 by one shift of the whole plane.
 inline int32_t code_at(const uint8_t* block, int64_t type, int64_t c, int64_t i) {
   if (type == kQ8) return static_cast<int8_t>(block[((i / 4) * kTile + c) * 4 + i % 4]);
-  const uint8_t byte = block[(((i % 16) / 4) * kTile + c) * 4 + i % 4];
-  return i < 16 ? (byte & 0x0f) : (byte >> 4);
+  const int64_t step = (i % 16) / 4;
+  const uint8_t byte = block[(step * kTile + c) * 4 + i % 4];
+  const int32_t low = i < 16 ? (byte & 0x0f) : (byte >> 4);
+  if (type == kQ4) return low;
+  const uint8_t fifth = block[kPlane + c * 4 + i % 4];
+  return low | (((fifth >> (i < 16 ? 4 + step : step)) & 1) << 4);
 }
 
 // Plain loops: rows [0, count) of one tile into out (kTile floats a row, `stride` apart).
@@ -180,7 +190,7 @@ void tile_plain(const uint8_t* tile, int64_t type, int64_t blocks, const Quantis
         for (int64_t i = 0; i < kBlock; ++i) sum += code_at(block, type, c, i) * q[i];
         const float p = half_to_float(halves[c]) * rows[r].scale[b];
         acc[c] = std::fma(static_cast<float>(sum), p, acc[c]);
-        if (type == kQ4) acc[c] = std::fma(half_to_float(halves[kTile + c]), rows[r].scaled_sum[b], acc[c]);
+        if (type != kQ8) acc[c] = std::fma(half_to_float(halves[kTile + c]), rows[r].scaled_sum[b], acc[c]);
       }
     }
     std::memcpy(out + r * stride, acc, sizeof acc);
@@ -247,6 +257,57 @@ __attribute__((target("avx2,fma,f16c"))) void tile_q4_avx2(const uint8_t* tile, 
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + r * stride + h * 8, acc[r][h]);
 }
 
+// AVX2, Q5_1: a tile as two halves of 8 lanes, up to 4 rows at a time. A step's fifth bits are shifted to bit 4
+// of its codes' bytes; a pair of maddubs is at most 2 * 2 * 31 * 127 a lane, so two steps are summed in 16 bits
+// before each widening.
+template <int R>
+__attribute__((target("avx2,fma,f16c"))) void half_tile_q5_avx2(const uint8_t* tile, int64_t blocks,
+                                                                const Quantised* rows, float* out, int64_t stride,
+                                                                int64_t half) {
+  constexpr int64_t bytes = tile_block_bytes(kQ5), codes = code_bytes(kQ5);
+  const __m256i low = _mm256_set1_epi8(0x0f), bit = _mm256_set1_epi8(0x10), ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = tile + b * bytes;
+    if (R >= kPairRows && half == 0) prefetch_block(block + blocks * bytes, bytes);
+    if (R < kPairRows && half == 0) prefetch_block(block + kAhead * bytes, bytes);
+    __m256i first_bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kPlane + half * 32));
+    __m256i second_bits = _mm256_slli_epi16(first_bits, 4);
+    __m256i sums[R];
+    for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+    for (int64_t pair = 0; pair < 2; ++pair) {
+      __m256i part[R];
+      for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_si256();
+      for (int64_t j = 2 * pair; j < 2 * pair + 2; ++j) {
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + j * 64 + half * 32));
+        const __m256i lo = _mm256_or_si256(_mm256_and_si256(packed, low), _mm256_and_si256(first_bits, bit));
+        const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low),
+                                           _mm256_and_si256(second_bits, bit));
+        first_bits = _mm256_srli_epi16(first_bits, 1);
+        second_bits = _mm256_srli_epi16(second_bits, 1);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* q = rows[r].codes + b * kBlock + 4 * j;
+          const __m256i a = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(four_bytes(q)));
+          const __m256i c = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(four_bytes(q + 16)));
+          part[r] = _mm256_add_epi16(part[r], _mm256_add_epi16(a, c));
+        }
+      }
+      for (int r = 0; r < R; ++r) sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(part[r], ones));
+    }
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + codes + half * 16)));
+    const __m256 mw =
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + codes + 32 + half * 16)));
+    for (int r = 0; r < R; ++r) {
+      const __m256 p = _mm256_mul_ps(dw, _mm256_set1_ps(rows[r].scale[b]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), p, acc[r]);
+      acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(rows[r].scaled_sum[b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * stride + half * 8, acc[r]);
+}
+
 // AVX2, Q8_0: a tile as two halves of 8 lanes, up to 4 rows at a time; |w| times q carrying w's sign (codes and
 // activations within [-127, 127]).
 template <int R>
@@ -288,7 +349,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tiles_avx512(const u
                                                                          int64_t blocks, const Quantised* rows,
                                                                          float* out, int64_t stride) {
   constexpr int64_t bytes = tile_block_bytes(TYPE), codes = code_bytes(TYPE);
-  const __m512i low = _mm512_set1_epi8(0x0f), offset = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i low = _mm512_set1_epi8(0x0f), bit = _mm512_set1_epi8(0x10),
+                offset = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 acc[T][R];
   for (int t = 0; t < T; ++t)
     for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
@@ -306,13 +368,26 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tiles_avx512(const u
       dw[t] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block[t] + codes)));
       for (int r = 0; r < R; ++r) sums[t][r] = _mm512_setzero_si512();
     }
-    if constexpr (TYPE == kQ4) {
+    if constexpr (TYPE != kQ8) {
+      __m512i first_bits[T], second_bits[T];  // Q5_1's fifth bits (code_at)
+      if constexpr (TYPE == kQ5) {
+        for (int t = 0; t < T; ++t) {
+          first_bits[t] = _mm512_loadu_si512(block[t] + kPlane);
+          second_bits[t] = _mm512_slli_epi16(first_bits[t], 4);
+        }
+      }
       for (int64_t j = 0; j < 4; ++j) {
         __m512i lo[T], hi[T];
         for (int t = 0; t < T; ++t) {
           const __m512i packed = _mm512_loadu_si512(block[t] + j * 64);
           lo[t] = _mm512_and_si512(packed, low);
           hi[t] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+          if constexpr (TYPE == kQ5) {
+            lo[t] = _mm512_or_si512(lo[t], _mm512_and_si512(first_bits[t], bit));
+            hi[t] = _mm512_or_si512(hi[t], _mm512_and_si512(second_bits[t], bit));
+            first_bits[t] = _mm512_srli_epi16(first_bits[t], 1);
+            second_bits[t] = _mm512_srli_epi16(second_bits[t], 1);
+          }
         }
         for (int r = 0; r < R; ++r) {
           const int8_t* q = rows[r].codes + b * kBlock + 4 * j;
@@ -341,7 +416,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tiles_avx512(const u
         for (int r = 0; r < R; ++r) sums[t][r] = _mm512_sub_epi32(sums[t][r], correction[t]);
     }
     __m512 mw[T];
-    if constexpr (TYPE == kQ4) {
+    if constexpr (TYPE != kQ8) {
       for (int t = 0; t < T; ++t)
         mw[t] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block[t] + codes + 32)));
     }
@@ -349,7 +424,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tiles_avx512(const u
       const __m512 a = _mm512_set1_ps(rows[r].scale[b]);
       for (int t = 0; t < T; ++t) {
         acc[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[t][r]), _mm512_mul_ps(dw[t], a), acc[t][r]);
-        if constexpr (TYPE == kQ4) acc[t][r] = _mm512_fmadd_ps(mw[t], _mm512_set1_ps(rows[r].scaled_sum[b]), acc[t][r]);
+        if constexpr (TYPE != kQ8) acc[t][r] = _mm512_fmadd_ps(mw[t], _mm512_set1_ps(rows[r].scaled_sum[b]), acc[t][r]);
       }
     }
   }
@@ -361,6 +436,9 @@ template <int64_t TYPE, int R>
 void rows_avx2(const uint8_t* tile, int64_t blocks, const Quantised* rows, float* out, int64_t stride) {
   if constexpr (TYPE == kQ4) {
     tile_q4_avx2<R>(tile, blocks, rows, out, stride);
+  } else if constexpr (TYPE == kQ5) {
+    half_tile_q5_avx2<R>(tile, blocks, rows, out, stride, 0);
+    half_tile_q5_avx2<R>(tile, blocks, rows, out, stride, 1);
   } else {
     half_tile_q8_avx2<R>(tile, blocks, rows, out, stride, 0);
     half_tile_q8_avx2<R>(tile, blocks, rows, out, stride, 1);
@@ -446,18 +524,24 @@ void tile_any(int64_t type, const uint8_t* tile, int64_t tile_bytes, int64_t pai
 #if defined(__x86_64__)
   if (isa == kAvx512 && pair == 2) {
     if (type == kQ4) return tile_rows<kQ4, 4, 2, Avx512>(tile, tile_bytes, blocks, rows, count, out, stride);
+    if (type == kQ5) return tile_rows<kQ5, 4, 2, Avx512>(tile, tile_bytes, blocks, rows, count, out, stride);
     return tile_rows<kQ8, 4, 2, Avx512>(tile, tile_bytes, blocks, rows, count, out, stride);
   }
   if (isa == kAvx512) {
     if (type == kQ4) return tile_rows<kQ4, 8, 1, Avx512>(tile, tile_bytes, blocks, rows, count, out, stride);
+    if (type == kQ5) return tile_rows<kQ5, 8, 1, Avx512>(tile, tile_bytes, blocks, rows, count, out, stride);
     return tile_rows<kQ8, 8, 1, Avx512>(tile, tile_bytes, blocks, rows, count, out, stride);
   }
   if (isa == kAvx2) {
     for (int64_t t = 0; t < pair; ++t) {
+      const uint8_t* at = tile + t * tile_bytes;
+      float* to = out + t * kTile;
       if (type == kQ4) {
-        tile_rows<kQ4, 4, 1, Avx2>(tile + t * tile_bytes, tile_bytes, blocks, rows, count, out + t * kTile, stride);
+        tile_rows<kQ4, 4, 1, Avx2>(at, tile_bytes, blocks, rows, count, to, stride);
+      } else if (type == kQ5) {
+        tile_rows<kQ5, 4, 1, Avx2>(at, tile_bytes, blocks, rows, count, to, stride);
       } else {
-        tile_rows<kQ8, 4, 1, Avx2>(tile + t * tile_bytes, tile_bytes, blocks, rows, count, out + t * kTile, stride);
+        tile_rows<kQ8, 4, 1, Avx2>(at, tile_bytes, blocks, rows, count, to, stride);
       }
     }
     return;
@@ -473,7 +557,8 @@ void tile_any(int64_t type, const uint8_t* tile, int64_t tile_bytes, int64_t pai
 void product(const float* x, int64_t rows, int64_t k, const at::Tensor& weights, int64_t n, float* out) {
   TORCH_CHECK(weights.dim() == 3, "llmserve: packed blocks are [tiles, blocks, bytes]");
   const int64_t blocks = k / kBlock, tiles = weights.size(0);
-  const int64_t type = weights.size(2) == tile_block_bytes(kQ4) ? kQ4 : kQ8;
+  const int64_t bytes = weights.size(2);
+  const int64_t type = bytes == tile_block_bytes(kQ4) ? kQ4 : bytes == tile_block_bytes(kQ5) ? kQ5 : kQ8;
   TORCH_CHECK(weights.scalar_type() == at::kByte && weights.is_contiguous() &&
                   weights.size(1) == blocks && weights.size(2) == tile_block_bytes(type) && tiles * kTile >= n &&
                   (tiles - 1) * kTile < n && k % kBlock == 0,

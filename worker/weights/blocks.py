@@ -1,5 +1,5 @@
 """A GGUF file's own blocks as the CPU worker's weights (`WORKER_QUANT=gguf`, the default for such a file). Files of
-other block types are taken to these two first (worker/weights/transcode.py).
+other block types are taken to these two, or to Q5_1 (5-bit codes), first (worker/weights/transcode.py).
 
 The default model ships as a GGUF file whose decoder projections are Q4_1 blocks (32 weights of a row: 4-bit
 codes, a float16 scale and minimum) and whose embedding, tied to the lm_head, is Q8_0 (8-bit codes, a scale).
@@ -11,7 +11,8 @@ scale). Every product takes each token alone (blocks.cpp), so a request's tokens
 
 Packing: the rows of 16 output channels form a tile; a tile's block is its codes with channel c's four
 consecutive inputs in 32-bit lane c (for Q4_1 a byte holds input i in its low half and input i + 16 in its
-high half, as the file's bytes do), then the 16 scales (and minima) as float16.
+high half, as the file's bytes do; Q5_1's fifth bits follow them, `_fifth_bits`), then the 16 scales (and minima)
+as float16.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from worker.weights import native, transcode
 from worker.weights.quant import ROWWISE_ATTENTION, RowwiseLlamaLayer, attending, plain_llama
 from worker.weights.ragged import attend_layers
 
-Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
+Q4_1, Q5_1, Q8_0 = transcode.Q4_1, transcode.Q5_1, transcode.Q8_0
+# Bytes of a GGUF block before its codes: the float16 scale, (but for Q8_0) minimum, and Q5_1's 32 fifth bits.
+HEADS = {Q4_1: 4, Q5_1: 8, Q8_0: 2}
 TILE = 16  # output channels per tile: one 512-bit vector of 32-bit sums
 
 
@@ -116,13 +119,29 @@ def pack(blocks: np.ndarray, kind: gguf.GGMLQuantizationType) -> torch.Tensor:
     if n % TILE:  # padded with zeros (a copy only then: an output layer is a large share of the load's peak)
         rows = np.concatenate([rows, np.zeros((tiles * TILE - n, *rows.shape[1:]), np.uint8)])
     by_tile = rows.reshape(tiles, TILE, -1, per_block).transpose(0, 2, 1, 3)  # [tiles, blocks, channel, bytes]
-    halves = 4 if kind == Q4_1 else 2  # float16 scale (and minimum) before the codes
-    codes = by_tile[..., halves:]
+    codes = by_tile[..., HEADS[kind]:]
     steps = codes.shape[-1] // 4
     lanes = codes.reshape(*codes.shape[:-1], steps, 4).swapaxes(-2, -3)  # [tiles, blocks, step, channel, 4]
-    scales = [by_tile[..., i:i + 2] for i in range(0, halves, 2)]  # each [tiles, blocks, channel, 2]
-    parts = [lanes.reshape(tiles, -1, steps * TILE * 4)] + [s.reshape(tiles, -1, 2 * TILE) for s in scales]
+    parts = [lanes.reshape(tiles, -1, steps * TILE * 4)]
+    if kind == Q5_1:
+        parts.append(_fifth_bits(by_tile[..., 4:8]).reshape(tiles, -1, TILE * 4))
+    scales = [by_tile[..., i:i + 2] for i in range(0, 2 if kind == Q8_0 else 4, 2)]  # each [tiles, blocks, channel, 2]
+    parts += [s.reshape(tiles, -1, 2 * TILE) for s in scales]
     return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=-1)))
+
+
+# Where blocks.cpp wants a Q5_1 code's fifth bit: byte t of a channel's four, for step j (inputs 4 j + t and
+# 16 + 4 j + t), bit 4 + j for the first and bit j for the second.
+_STEP, _BYTE = np.arange(4).reshape(4, 1), np.arange(4).reshape(1, 4)
+_FIRST, _SECOND = (4 * _STEP + _BYTE).astype(np.uint32), (16 + 4 * _STEP + _BYTE).astype(np.uint32)
+
+
+def _fifth_bits(words: np.ndarray) -> np.ndarray:
+    """GGUF's Q5_1 fifth bits ([..., 4] bytes: bit i of the word, weight i) as blocks.cpp's bytes ([..., 4])."""
+    word = np.ascontiguousarray(words).view("<u4").astype(np.uint32)[..., None]  # [..., 1, 1]
+    first = ((word >> _FIRST) & 1) << (4 + _STEP)
+    second = ((word >> _SECOND) & 1) << _STEP
+    return (first | second).sum(axis=-2).astype(np.uint8)  # the bits differ: the sum is their or
 
 
 class BlockLinear(nn.Module):
@@ -151,14 +170,20 @@ class BlockLinear(nn.Module):
         """The float weights the packed blocks hold ([out, in]), by gguf's arithmetic (d q + m, or d q, in
         float32): the values transformers loads from the file, bit for bit, where the packing is right."""
         tiles, blocks, _ = self.packed.shape
-        steps = 4 if self.kind == Q4_1 else 8
+        steps = 8 if self.kind == Q8_0 else 4
+        end = steps * TILE * 4 + (TILE * 4 if self.kind == Q5_1 else 0)
         codes = self.packed[..., :steps * TILE * 4].reshape(tiles, blocks, steps, TILE, 4).permute(0, 3, 1, 2, 4)
-        halves = self.packed[..., steps * TILE * 4:].contiguous().view(torch.float16).float()  # [tiles, blocks, 16k]
+        halves = self.packed[..., end:].contiguous().view(torch.float16).float()  # [tiles, blocks, 16k]
         scale = halves[..., :TILE].permute(0, 2, 1).unsqueeze(-1)  # [tiles, channel, blocks, 1]
-        if self.kind == Q4_1:
+        if self.kind != Q8_0:
             flat = codes.reshape(tiles, TILE, blocks, 16)
-            q = torch.cat([flat & 15, flat >> 4], dim=-1).float()
-            weights = scale * q + halves[..., TILE:].permute(0, 2, 1).unsqueeze(-1)
+            q = torch.cat([flat & 15, flat >> 4], dim=-1)
+            if self.kind == Q5_1:
+                fifth = self.packed[..., end - TILE * 4:end].reshape(tiles, blocks, TILE, 1, 4).permute(0, 2, 1, 3, 4)
+                shifts = torch.tensor([4, 5, 6, 7, 0, 1, 2, 3]).view(8, 1)  # the first inputs' steps, the second's
+                bits = (fifth.long() >> shifts) & 1  # [tiles, channel, blocks, 8, 4]: input 4 * (row) + t
+                q = q | (bits.reshape(tiles, TILE, blocks, 32) << 4)
+            weights = scale * q.float() + halves[..., TILE:].permute(0, 2, 1).unsqueeze(-1)
         else:
             weights = codes.reshape(tiles, TILE, blocks, 32).view(torch.int8).float() * scale
         return weights.reshape(tiles * TILE, -1)[:self.out_features]
