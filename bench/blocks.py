@@ -62,7 +62,7 @@ def measure(models: dict[str, torch.nn.Module], rows: int, context: int, steps: 
         same += int((logits[names[0]].argmax(-1) == logits[names[1]].argmax(-1)).sum()) if step >= 2 else 0
     ms = {name: statistics.median(s) * 1e3 for name, s in seconds.items()}
     return {"rows": rows, **{f"{name}_ms": value for name, value in ms.items()},
-            "speedup": ms["int8"] / ms["gguf"], "same_token_share": same / (rows * steps)}
+            "speedup": ms[names[1]] / ms[names[0]], "same_token_share": same / (rows * steps)}
 
 
 def main() -> None:

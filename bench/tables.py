@@ -373,6 +373,19 @@ def blocks(d: dict) -> tuple[str, Table]:
     return head, table
 
 
+def five_bit(d: dict) -> tuple[str, Table]:
+    table = [["file", "rows", "Q5_1 blocks ms", "as Q8_0 ms", "speedup", "weights read MB Q5_1 / Q8_0"]]
+    heads = []
+    for name, f in d["files"].items():
+        w = f["weight_bytes"]
+        for level in f["levels"]:
+            table.append([name, str(level["rows"]), num(level["q5_1_ms"]), num(level["q8_0_ms"]),
+                          ratio(level["speedup"]), slash([num(w["q5_1"] / 1e6), num(w["q8_0"] / 1e6)])])
+        heads.append(f"{name} **{slash([ratio(level['speedup']) for level in f['levels']])}**")
+    rows = slash([str(level["rows"]) for level in next(iter(d["files"].values()))["levels"]])
+    return f"the decode step on Q5_1 blocks over the same matrices as Q8_0 at {rows} rows: " + "; ".join(heads), table
+
+
 def perplexity(d: dict) -> tuple[str, Table]:
     ppl, over = d["perplexity"], d["over_float32"]
     table = [["weights", "perplexity (second halves)", "over float32", "mean KL from float32", "same top token"]]
@@ -689,8 +702,10 @@ RENDERERS: dict[str, tuple[str, Callable[[dict], tuple[str, Table]]]] = {
     "quality": ("int8 against float32: speed, answers, batch invariance", quality),
     "perplexity": ("perplexity of the GGUF blocks and int8 against float32 (and llama.cpp)", perplexity),
     "perplexity_smollm2_135m_q4_k_m": ("the same for the default model requantized to Q4_K_M by llama-quantize "
-                                       "(Q4_K, Q5_0 and Q6_K: the blocks transcoded to Q4_1 and Q8_0), its own "
+                                       "(Q4_K, Q5_0 and Q6_K: the blocks taken to Q4_1, Q5_1 and Q8_0), its own "
                                        "float32 as the reference", perplexity),
+    "perplexity_smollm2_135m_q5_k_m": ("the same requantized to Q5_K_M (Q5_K, Q5_1 and Q6_K: the blocks taken to Q5_1 "
+                                       "and Q8_0)", perplexity),
     "perplexity_smollm2_135m_q6_k": ("the same requantized to Q6_K (and Q8_0 where a row is no multiple of 256)",
                                      perplexity),
     "worker_start": ("a new worker: process start to its first token served (model load and weight packing "
@@ -700,6 +715,8 @@ RENDERERS: dict[str, tuple[str, Callable[[dict], tuple[str, Table]]]] = {
     "native": ("the decode step with and without worker/weights/native.cpp's kernels, taking turns", native),
     "scripted": ("the int8 decode step eager and as TorchScript, taking turns", scripted),
     "blocks": ("the decode step on the GGUF file's own blocks against the int8 layers, taking turns", blocks),
+    "five_bit": ("the decode step of files whose matrices are 5-bit on the Q5_1 blocks against the same matrices "
+                 "quantized again to Q8_0 (the loader before the Q5_1 blocks), taking turns", five_bit),
     "batching_hf": ("continuous against static batching, Poisson arrivals, the real model", batching),
     "batching_sim": ("continuous against static batching on `ENGINE=sim` workers", batching),
     "control_plane": ("`ENGINE=sim`: 1,000 SSE streams through one gateway; 1 to 8 workers", control_plane),
