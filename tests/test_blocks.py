@@ -20,7 +20,7 @@ from worker.own.cache import new_cache, select_rows
 from worker.own.forward import Part, forward_parts
 from worker.own.model import LoadedModel, load_model
 from worker.prompts import bundled_gguf
-from worker.weights import native
+from worker.weights import blocks, native
 from worker.weights.blocks import Q4_1, Q8_0, BlockError, BlockLinear, BlockLlamaLayer, FileTensor, quantize_blocks
 from worker.weights.quant import Int8LlamaLayer, RowwiseLlamaLayer, takes_blocks_together
 from worker.weights.transcode import Q5_1
@@ -144,6 +144,30 @@ def test_a_row_s_result_is_the_same_alone_and_in_any_batch(kind) -> None:
     for row in range(21):
         assert torch.equal(layer(x[row:row + 1]), batch[row:row + 1])
     assert torch.equal(layer(x.view(3, 7, 576)), batch.view(3, 7, -1))  # any leading shape
+
+
+def test_a_kernel_level_whose_bits_differ_from_the_plain_loops_is_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker checks its CPU's kernels against the plain loops at start (a new kernel may never have run on a
+    CPU of its kind): every level this CPU has agrees, and one made to differ is stepped down from."""
+    top = ISAS[-1]
+    try:
+        assert blocks.agreeing_level(top) == top
+        real_isa, real_linear = ops.block_isa, native.ops.block_linear
+        now = {}
+
+        def block_isa(most: int) -> int:
+            now["level"] = real_isa(most)
+            return now["level"]
+
+        def block_linear(*args):
+            out = real_linear(*args)
+            return out.add_(1e-3) if now["level"] == top else out
+
+        monkeypatch.setattr(native.ops, "block_isa", block_isa)
+        monkeypatch.setattr(native.ops, "block_linear", block_linear)
+        assert blocks.agreeing_level(top) == top - 1 and now["level"] == top - 1
+    finally:
+        ops.block_isa(2)
 
 
 def test_the_packed_blocks_hold_the_file_s_values() -> None:

@@ -286,6 +286,29 @@ class BlockStack:
         return attend_layers(cache.layers, shape, layers)
 
 
+def agreeing_level(level: int) -> int:
+    """The blocks' kernels at `level` (native.cap's), lowered until their products give the plain loops' bits on a
+    small matrix of each block type, as by design they do on every instruction set; returns the level kept. A
+    kernel that no CPU of this kind has checked then serves through a slower one, never as wrong tokens."""
+    rng = np.random.default_rng(0)
+    x = torch.from_numpy(rng.standard_normal((13, 64)).astype(np.float32))  # row groups of 8, 4 and 1
+    layers = []
+    for kind in (Q4_1, Q5_1, Q8_0):
+        scales = (rng.standard_normal((40, 2, HEADS[kind] // 2)) * 0.01).astype(np.float16).view(np.uint8)
+        if kind == Q5_1:
+            scales[..., 4:] = rng.integers(0, 256, (40, 2, 4), dtype=np.uint8)  # the fifth bits
+        codes = rng.integers(0, 256, (40, 2, gguf.GGML_QUANT_SIZES[kind][1] - HEADS[kind]), dtype=np.uint8)
+        layers.append(BlockLinear([FileTensor("check", kind, (64, 40), np.concatenate([scales, codes], -1)
+                                              .reshape(40, -1))]))
+    native.ops.block_isa(0)
+    plain = [layer(x) for layer in layers]
+    for kept in range(level, 0, -1):
+        native.ops.block_isa(kept)
+        if all(torch.equal(layer(x), want) for layer, want in zip(layers, plain, strict=True)):
+            return kept
+    return int(native.ops.block_isa(0))
+
+
 def holds(block: BlockLinear, expected: torch.Tensor) -> bool:
     """Whether `block` holds the weights `expected` ([out, in]): bit for bit where it took the file's blocks as
     they are; within what transcoding rounds otherwise (worker/weights/transcode.py: half an 8-bit step of a

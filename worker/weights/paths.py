@@ -59,7 +59,11 @@ def _model_on_blocks(settings: WorkerSettings, source: str, extra: dict[str, str
     try:
         if not native.load(settings.worker_native):
             raise blocks.BlockError(f"the compiled kernels are not loaded (WORKER_NATIVE={settings.worker_native})")
-        _log_kernels(settings)
+        level = _log_kernels(settings)
+        kept = blocks.agreeing_level(level)
+        if kept < level:
+            log.warning("the GGUF blocks' kernels disagree with their plain loops on this CPU: a lower level serves",
+                        extra={"blocks_level": level, "kept": kept})
         if dtype != torch.float32:
             raise blocks.BlockError(f"the kernels take float32, and WORKER_DTYPE is {settings.worker_dtype}")
         return from_file.load(AutoConfig.from_pretrained(source, **extra), gguf_file)
@@ -70,10 +74,12 @@ def _model_on_blocks(settings: WorkerSettings, source: str, extra: dict[str, str
         return None
 
 
-def _log_kernels(settings: WorkerSettings) -> None:
+def _log_kernels(settings: WorkerSettings) -> int:
+    """The kernels capped at WORKER_ISA, logged; returns the blocks' level."""
     blocks_level, attention_level = native.cap(settings.worker_isa)
     log.info("kernels", extra={"isa": settings.worker_isa, "blocks_level": blocks_level,
                                "attention_level": attention_level})
+    return blocks_level
 
 
 def apply(model: PreTrainedModel, path: str, settings: WorkerSettings) -> str:
