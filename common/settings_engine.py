@@ -54,8 +54,9 @@ class EngineSettings(Concern):
     worker_isa: str = setting(
         "auto",
         "the widest instruction set the compiled kernels use: `auto` what the CPU has; `avx2` or `plain` caps it (a"
-        " CPU or VM that advertises more than it runs well; comparing code paths on one host). torch's own kernels "
-        "follow PyTorch's `ATEN_CPU_CAPABILITY`",
+        " CPU or VM that advertises more than it runs well; comparing code paths on one host). At start the GGUF "
+        "blocks' products at that level are checked against their plain loops' bits, and a level that differs is "
+        "stepped down from, with a warning. torch's own kernels follow PyTorch's `ATEN_CPU_CAPABILITY`",
         choices=('auto', 'avx512', 'avx2', 'plain'))
     worker_batching: str = setting(
         "continuous",
