@@ -95,19 +95,24 @@ def _q4_0_as_q4_1(rows: np.ndarray) -> np.ndarray:
     return out.reshape(n, -1)
 
 
+def _k_sub_blocks(blocks: np.ndarray, codes_at: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q4_K or Q5_K super-block's ([super-blocks, bytes]) eight sub-blocks: scales d * sc and minima -dmin * m
+    rounded to float16 ([super-blocks, 8] each), and the low four bits of their codes ([super-blocks, 8, 32]),
+    which lie in 4 chunks of 32 bytes from `codes_at`: chunk c's low halves sub-block 2c, its high halves 2c + 1."""
+    d = blocks[:, 0:2].view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].view(np.float16).astype(np.float32)
+    sc, m = quants.Q4_K.get_scale_min(blocks[:, 4:16])
+    scale = (d * sc.astype(np.float32)).astype(np.float16)
+    minimum = (-dmin * m.astype(np.float32)).astype(np.float16)
+    qs = blocks[:, codes_at:codes_at + 128].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    return scale, minimum, (qs & 15).reshape(-1, 8, BLOCK)
+
+
 def _q4_k_as_q4_1(rows: np.ndarray) -> np.ndarray:
     """Each of a Q4_K super-block's eight sub-blocks as one Q4_1 block: scale d * sc, minimum -dmin * m (rounded
     to float16), its 32 codes packed as Q4_1 packs them (byte i: code i low, code i + 16 high)."""
     n = rows.shape[0]
-    blocks = rows.reshape(-1, 144)
-    d = blocks[:, 0:2].view(np.float16).astype(np.float32)
-    dmin = blocks[:, 2:4].view(np.float16).astype(np.float32)
-    sc, m = quants.Q4_K.get_scale_min(blocks[:, 4:16])
-    scale = (d * sc.astype(np.float32)).astype(np.float16)  # [super-blocks, 8]
-    minimum = (-dmin * m.astype(np.float32)).astype(np.float16)
-    # Q4_K's codes: 4 chunks of 32 bytes; chunk c's low halves are sub-block 2c, its high halves sub-block 2c + 1.
-    qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
-    codes = (qs & 15).reshape(-1, 8, BLOCK)  # [super-blocks, sub-block, weight]
+    scale, minimum, codes = _k_sub_blocks(rows.reshape(-1, 144), 16)
     packed = codes[..., :16] | (codes[..., 16:] << 4)
     out = np.concatenate([scale[..., None].view(np.uint8), minimum[..., None].view(np.uint8), packed], axis=-1)
     return out.reshape(n, -1)
@@ -134,13 +139,7 @@ def _q5_k_as_q5_1(rows: np.ndarray) -> np.ndarray:
     four bits as Q4_K's codes, its fifth bits bit s (the sub-block) of the super-block's 32 high-bit bytes."""
     n = rows.shape[0]
     blocks = rows.reshape(-1, 176)
-    d = blocks[:, 0:2].view(np.float16).astype(np.float32)
-    dmin = blocks[:, 2:4].view(np.float16).astype(np.float32)
-    sc, m = quants.Q4_K.get_scale_min(blocks[:, 4:16])
-    scale = (d * sc.astype(np.float32)).astype(np.float16)  # [super-blocks, 8]
-    minimum = (-dmin * m.astype(np.float32)).astype(np.float16)
-    qs = blocks[:, 48:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
-    low = (qs & 15).reshape(-1, 8, BLOCK)
+    scale, minimum, low = _k_sub_blocks(blocks, 48)
     high = (blocks[:, None, 16:48] >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1  # [super-blocks, 8, 32]
     packed = low[..., :16] | (low[..., 16:] << 4)
     fifth = np.packbits(high, axis=-1, bitorder="little")  # bit i of the 32-bit word: weight i
