@@ -208,6 +208,13 @@ inline void prefetch_block(const uint8_t* block, int64_t bytes) {
   for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(start + line, _MM_HINT_T0);
 }
 
+// What a kernel of R rows asks for ahead (prefetch_block): the same block of the tile after from kPairRows rows
+// on, else the block kAhead on in its own stream.
+template <int R>
+inline void prefetch_next(const uint8_t* block, int64_t blocks, int64_t bytes) {
+  prefetch_block(block + (R >= kPairRows ? blocks : kAhead) * bytes, bytes);
+}
+
 // AVX2, Q4_1: a tile as two vectors of 8 lanes, R rows at a time, each activation read serving both. A block's
 // four steps of code products are summed in 16 bits before one widening: a step's pair of maddubs is at most
 // 2 * 2 * 15 * 127 a lane, so four of them stay within int16.
@@ -220,8 +227,7 @@ __attribute__((target("avx2,fma,f16c"))) void tile_q4_avx2(const uint8_t* tile, 
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = tile + b * bytes;
-    if constexpr (R >= kPairRows) prefetch_block(block + blocks * bytes, bytes);
-    if constexpr (R < kPairRows) prefetch_block(block + kAhead * bytes, bytes);
+    prefetch_next<R>(block, blocks, bytes);
     __m256i sums[R][2];
     for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
     // Unrolled, GCC schedules every product of the block first and spills them to the stack.
@@ -270,8 +276,7 @@ __attribute__((target("avx2,fma,f16c"))) void half_tile_q5_avx2(const uint8_t* t
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = tile + b * bytes;
-    if (R >= kPairRows && half == 0) prefetch_block(block + blocks * bytes, bytes);
-    if (R < kPairRows && half == 0) prefetch_block(block + kAhead * bytes, bytes);
+    if (half == 0) prefetch_next<R>(block, blocks, bytes);
     __m256i first_bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kPlane + half * 32));
     __m256i second_bits = _mm256_slli_epi16(first_bits, 4);
     __m256i sums[R];
@@ -320,8 +325,7 @@ __attribute__((target("avx2,fma,f16c"))) void half_tile_q8_avx2(const uint8_t* t
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = tile + b * bytes;
-    if (R >= kPairRows && half == 0) prefetch_block(block + blocks * bytes, bytes);
-    if (R < kPairRows && half == 0) prefetch_block(block + kAhead * bytes, bytes);
+    if (half == 0) prefetch_next<R>(block, blocks, bytes);
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + codes + half * 16)));
     __m256i sums[R];
     for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
